@@ -1,0 +1,152 @@
+"""``python -m echo_p2p.bootstrap``: a long-lived DHT node that newcomers dial first.
+
+Owned here: the bootstrap peer (``BootstrapPeer``) and its CLI. It stores and serves DHT records for any
+run (signature-checked; schema-checked for the runs named with ``--run-id``), prints its multiaddrs ready
+to paste after ``--initial-peers``, writes them to ``--maddrs-file``, logs how many peers it sees, and
+stops cleanly on SIGINT/SIGTERM with no p2pd or child process left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+
+from echo_p2p import __version__
+from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_network_flags, fail, install_stop_handlers, network_flags
+
+logger = logging.getLogger("echo_p2p.bootstrap")
+
+
+class BootstrapPeer:
+    """A DHT node with echo_p2p's validators; ``run()`` loops on a status period until ``request_stop``."""
+
+    def __init__(self, config):
+        from echo_p2p.net.identity import load_or_create_identity
+
+        self.config = config
+        self.identity = load_or_create_identity(config.network.identity_path)
+        self.stop_event = threading.Event()
+        self.dht = None
+        self.maddrs: list[str] = []
+        self._stopped = False
+
+    def start(self) -> None:
+        from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.net.node import start_dht, visible_maddrs
+
+        t0 = time.monotonic()
+        keys = [SwarmKeys(run_id) for run_id in self.config.run_ids]
+        self.dht = start_dht(self.config.network, self.identity, keys)
+        self.maddrs = visible_maddrs(self.dht)
+        if self.config.maddrs_file:
+            tmp = self.config.maddrs_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write("".join(m + "\n" for m in self.maddrs))
+            os.replace(tmp, self.config.maddrs_file)
+        if self.identity.ephemeral:
+            logger.warning("no --identity-path: this bootstrap's peer id will change when it restarts")
+        logger.info("bootstrap %s ready in %.2f s", self.identity.peer_id, time.monotonic() - t0)
+        print("Peers join this swarm with:\n  --initial-peers " + " ".join(self.maddrs), flush=True)
+
+    def run(self) -> None:
+        from echo_p2p.net.node import neighbour_counts
+
+        if self.dht is None:
+            self.start()
+        while not self.stop_event.wait(self.config.status_period):
+            try:
+                table, connected = neighbour_counts(self.dht)
+                logger.info("bootstrap %s sees %d DHT peers, %d connections", self.identity.peer_id[-8:], table, connected)
+            except Exception as exc:
+                logger.warning("could not count peers: %s", exc)
+
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+    def shutdown(self) -> None:
+        from echo_p2p.net.node import stop_dht
+
+        if self._stopped:
+            return
+        self._stopped = True
+        self.stop_event.set()
+        if self.dht is not None:
+            stop_dht(self.dht)
+            self.dht = None
+        self.identity.cleanup()
+        logger.info("bootstrap stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m echo_p2p.bootstrap",
+        description="Run a bootstrap peer: the door into echo_p2p runs. See bootstrap/README.md to deploy one.",
+    )
+    parser.add_argument("--version", action="version", version=f"echo_p2p {__version__}")
+    parser.add_argument("--config", metavar="FILE", default=None, help="YAML config (see bootstrap/bootstrap.yaml)")
+    parser.add_argument("--maddrs-file", metavar="PATH", default=None, help="write the visible multiaddrs here once ready")
+    parser.add_argument("--run-id", dest="run_ids", action="append", default=None, metavar="NAME",
+                        help="also schema-validate the records of this run (repeatable)")
+    parser.add_argument("--status-period", type=float, metavar="S", default=None, help="seconds between status lines")
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
+    add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/31337: all interfaces, the public default port")
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, environ=None):
+    from echo_p2p.config import BOOTSTRAP_ENV_VARS, BootstrapConfig, build_config
+
+    args = build_parser().parse_args(argv)
+    flags = {
+        "maddrs_file": args.maddrs_file,
+        "run_ids": args.run_ids,
+        "status_period": args.status_period,
+        "log_level": args.log_level,
+        **network_flags(args),
+    }
+    return build_config(
+        BootstrapConfig,
+        yaml_path=args.config,
+        environ=os.environ if environ is None else environ,
+        env_fields=BOOTSTRAP_ENV_VARS,
+        flags=flags,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from echo_p2p.config import ConfigError
+
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+    from echo_p2p.logs import setup_logging
+
+    setup_logging(config.log_level)
+    from echo_p2p.net.identity import IdentityError
+    from echo_p2p.net.node import NodeStartError
+
+    try:
+        peer = BootstrapPeer(config)
+    except IdentityError as exc:
+        fail(str(exc), EXIT_START)
+    install_stop_handlers(peer.request_stop)
+    try:
+        peer.start()
+        peer.run()
+    except NodeStartError as exc:
+        peer.shutdown()
+        fail(str(exc), EXIT_START)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        peer.shutdown()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

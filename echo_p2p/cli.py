@@ -1,0 +1,67 @@
+"""Shared command-line plumbing: network flags, config errors -> exit 2, signals -> clean stop.
+
+Callers: the ``bootstrap``, ``peer``, ``swarm`` and ``local`` entry points. Must stay cheap to import
+(``--help`` is instant): no torch, no hivemind at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Callable
+
+EXIT_CONFIG = 2  #: invalid flags or configuration (before any network start)
+EXIT_START = 1  #: could not start or join (port busy, initial peers silent, bad identity file)
+
+
+def add_network_flags(parser: argparse.ArgumentParser, *, host_default_help: str) -> None:
+    group = parser.add_argument_group("network")
+    group.add_argument(
+        "--initial-peers", nargs="+", metavar="MADDR", default=None,
+        help="multiaddrs of known peers, as printed by a bootstrap (env ECHO_INITIAL_PEERS)",
+    )
+    group.add_argument(
+        "--host-maddrs", nargs="+", metavar="MADDR", default=None,
+        help=f"multiaddrs to listen on ({host_default_help}; env ECHO_HOST_MADDRS)",
+    )
+    group.add_argument(
+        "--announce-maddrs", nargs="+", metavar="MADDR", default=None,
+        help="multiaddrs to tell others (e.g. your public IP and forwarded port; env ECHO_ANNOUNCE_MADDRS)",
+    )
+    group.add_argument(
+        "--identity-path", metavar="FILE", default=None,
+        help="private key file, created when missing: keeps the peer id across restarts (env ECHO_IDENTITY_PATH)",
+    )
+    group.add_argument(
+        "--startup-timeout", type=float, metavar="S", default=None, help="deadline to start and join (default 30)"
+    )
+
+
+def network_flags(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "network.initial_peers": args.initial_peers,
+        "network.host_maddrs": args.host_maddrs,
+        "network.announce_maddrs": args.announce_maddrs,
+        "network.identity_path": args.identity_path,
+        "network.startup_timeout": args.startup_timeout,
+    }
+
+
+def fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def install_stop_handlers(stop: Callable[[], None]) -> None:
+    """SIGINT and SIGTERM call ``stop()`` once; a second SIGINT exits at once."""
+    seen = {"n": 0}
+
+    def _handler(signum, _frame):
+        seen["n"] += 1
+        if seen["n"] > 1 and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop()
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)

@@ -1,0 +1,256 @@
+"""Configuration objects of every CLI and peer, and how they are built from YAML, environment and flags.
+
+Owned here: the pydantic config classes (a docstring on every field), the precedence rule
+(defaults < YAML file < ``ECHO_*`` environment variables < command-line flags) and the error that names the
+offending field. Callers: the CLI modules (``peer``, ``bootstrap``, ``swarm``, ``local``), which must turn a
+``ConfigError`` into a clear message and exit code 2 before any network start. This module must stay cheap
+to import: no torch, no hivemind.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from echo_p2p.net.keys import validate_run_id
+
+PUBLIC_BOOTSTRAP_PORT = 31337
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: the message names the field and what is wrong with it."""
+
+
+_MADDR_PROTOCOLS = {  # protocol -> takes a value
+    "ip4": True, "ip6": True, "dns": True, "dns4": True, "dns6": True, "dnsaddr": True,
+    "tcp": True, "udp": True, "p2p": True, "ipfs": True,
+    "quic": False, "quic-v1": False, "ws": False, "wss": False, "p2p-circuit": False, "tls": False, "noise": False,
+}
+
+
+def _check_maddr(value: str, *, need_peer_id: bool = False) -> str:
+    """Light syntax check of a multiaddr (no hivemind import: config parsing must stay instant)."""
+    import ipaddress
+
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"{value!r} is not a multiaddr (expected e.g. /ip4/203.0.113.5/tcp/31337/p2p/Qm...)")
+    parts = value.split("/")[1:]
+    names = []
+    i = 0
+    while i < len(parts):
+        name = parts[i]
+        if name not in _MADDR_PROTOCOLS:
+            raise ValueError(f"{value!r} is not a multiaddr: unknown protocol {name!r}")
+        names.append(name)
+        if _MADDR_PROTOCOLS[name]:
+            if i + 1 >= len(parts) or not parts[i + 1]:
+                raise ValueError(f"{value!r} is not a multiaddr: /{name} needs a value")
+            arg = parts[i + 1]
+            try:
+                if name == "ip4":
+                    ipaddress.IPv4Address(arg)
+                elif name == "ip6":
+                    ipaddress.IPv6Address(arg)
+                elif name in ("tcp", "udp") and not 0 <= int(arg) <= 65535:
+                    raise ValueError("port out of range")
+            except ValueError as exc:
+                raise ValueError(f"{value!r} is not a multiaddr: bad /{name} value {arg!r} ({exc})") from None
+            i += 2
+        else:
+            i += 1
+    if need_peer_id and not ({"p2p", "ipfs"} & set(names)):
+        raise ValueError(f"{value!r} has no /p2p/<peer id> part: copy the full address the bootstrap printed")
+    return value
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class NetworkConfig(StrictModel):
+    """How a node joins the swarm: addresses, identity and deadlines."""
+
+    initial_peers: list[str] = Field(
+        default_factory=list, description="Multiaddrs of known peers (a bootstrap), each ending in /p2p/<id>"
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs to listen on"
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="Multiaddrs others should dial (e.g. a public IP behind port forwarding)"
+    )
+    identity_path: str | None = Field(
+        default=None, description="Private key file; created when missing; keeps the peer id across restarts"
+    )
+    startup_timeout: float = Field(default=30.0, gt=0, le=600, description="Deadline (s) to start and join")
+    request_timeout: float = Field(default=10.0, gt=0, le=300, description="Deadline (s) of one DHT read/write")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _initial_peers(cls, value: list[str]) -> list[str]:
+        return [_check_maddr(v, need_peer_id=True) for v in value]
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, value: list[str]) -> list[str]:
+        return [_check_maddr(v) for v in value]
+
+
+class PeerConfig(StrictModel):
+    """A peer of a run (``python -m echo_p2p.peer``)."""
+
+    role: Literal["inference", "trainer"] = Field(description="What this peer does in the run")
+    run_id: str = Field(description="Name of the run to join (1-64 chars of A-Za-z0-9._-)")
+    mode: Literal["sync", "async"] = Field(
+        default="async", description="sync: sequential pull (on-policy); async: push-pull with bounded staleness"
+    )
+    network: NetworkConfig = Field(default_factory=NetworkConfig, description="Addresses, identity, deadlines")
+    metrics_dir: str | None = Field(
+        default=None, description="Append metrics as JSON lines to <dir>/<role>-<peer id>.jsonl"
+    )
+    metrics_period: float = Field(default=10.0, gt=0, le=3600, description="Seconds between two metrics lines")
+    heartbeat_period: float = Field(default=5.0, ge=0.2, le=600, description="Seconds between two announcements")
+    record_ttl: float | None = Field(
+        default=None, gt=0, le=3600, description="Lifetime (s) of an announcement; default 3 heartbeats"
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return validate_run_id(value)
+
+    @model_validator(mode="after")
+    def _ttl(self) -> PeerConfig:
+        if not self.network.initial_peers:
+            raise ValueError(
+                "network.initial_peers is empty: pass --initial-peers with the multiaddr a bootstrap printed"
+            )
+        if self.record_ttl is None:
+            object.__setattr__(self, "record_ttl", 3 * self.heartbeat_period)
+        elif self.record_ttl <= self.heartbeat_period:
+            raise ValueError(
+                f"record_ttl ({self.record_ttl}) must exceed heartbeat_period ({self.heartbeat_period})"
+            )
+        return self
+
+
+class BootstrapConfig(StrictModel):
+    """A bootstrap peer (``python -m echo_p2p.bootstrap``): a long-lived DHT node that newcomers dial first."""
+
+    network: NetworkConfig = Field(
+        default_factory=lambda: NetworkConfig(host_maddrs=[f"/ip4/0.0.0.0/tcp/{PUBLIC_BOOTSTRAP_PORT}"]),
+        description="Listening addresses (default: all interfaces, TCP 31337), identity, other bootstraps",
+    )
+    maddrs_file: str | None = Field(default=None, description="Write the visible multiaddrs here, one per line")
+    run_ids: list[str] = Field(
+        default_factory=list, description="Runs whose records this node also schema-validates (optional)"
+    )
+    status_period: float = Field(default=30.0, gt=0, le=3600, description="Seconds between two status lines")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level")
+
+    @field_validator("run_ids")
+    @classmethod
+    def _run_ids(cls, value: list[str]) -> list[str]:
+        return [validate_run_id(v) for v in value]
+
+
+#: ECHO_* environment variables users expect, and the config field each one sets.
+ENV_VARS: dict[str, str] = {
+    "ECHO_RUN_ID": "run_id",
+    "ECHO_ROLE": "role",
+    "ECHO_MODE": "mode",
+    "ECHO_METRICS_DIR": "metrics_dir",
+    "ECHO_LOG_LEVEL": "log_level",
+    "ECHO_INITIAL_PEERS": "network.initial_peers",
+    "ECHO_HOST_MADDRS": "network.host_maddrs",
+    "ECHO_ANNOUNCE_MADDRS": "network.announce_maddrs",
+    "ECHO_IDENTITY_PATH": "network.identity_path",
+}
+#: The subset that makes sense for a bootstrap peer.
+BOOTSTRAP_ENV_VARS: dict[str, str] = {
+    k: v for k, v in ENV_VARS.items() if v.startswith("network.") or v == "log_level"
+}
+LIST_FIELDS = {"network.initial_peers", "network.host_maddrs", "network.announce_maddrs"}
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file into a dict; ConfigError when unreadable or not a mapping."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of fields, not {type(data).__name__}")
+    return data
+
+
+def set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``target['a']['b'] = value`` for ``dotted='a.b'``, creating sub-dicts."""
+    *parents, last = dotted.split(".")
+    node = target
+    for name in parents:
+        child = node.get(name)
+        if not isinstance(child, dict):
+            child = {}
+            node[name] = child
+        node = child
+    node[last] = value
+
+
+def env_overrides(environ: Mapping[str, str], fields: Mapping[str, str] = ENV_VARS) -> dict[str, Any]:
+    """The ``ECHO_*`` variables that are set, as dotted field -> value (lists split on commas/spaces)."""
+    out: dict[str, Any] = {}
+    for var, dotted in fields.items():
+        raw = environ.get(var)
+        if raw is None or raw == "":
+            continue
+        out[dotted] = raw.replace(",", " ").split() if dotted in LIST_FIELDS else raw
+    return out
+
+
+def build_config(
+    cls: type[BaseModel],
+    *,
+    yaml_path: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    env_fields: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Any:
+    """Merge defaults < YAML < environment < flags (dotted names -> values; None = not given) and validate."""
+    data: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    if environ is not None:
+        for dotted, value in env_overrides(environ, env_fields or ENV_VARS).items():
+            set_dotted(data, dotted, value)
+    for dotted, value in (flags or {}).items():
+        if value is not None:
+            set_dotted(data, dotted, value)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from exc
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, each naming the dotted config field."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"config field '{loc}': {msg}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def default_env() -> Mapping[str, str]:
+    return os.environ

@@ -1,0 +1,133 @@
+"""The swarm directory: announcing this peer and listing the others, on hivemind's DHT.
+
+Owned here: all reads and writes of the run's peer and provider records (keys from ``keys.py``, schemas
+from ``records.py``). Writes are signed per subkey by the peer's own key (hivemind's
+RSASignatureValidator), so no peer can overwrite another's record; reads drop records whose signing key
+does not match the peer id written inside, records of other protocol versions (one log line per peer)
+and malformed ones (counted, never raised). Every call has a deadline. Callers: peers (heartbeat), the
+``swarm status`` CLI, the transports (finding trainers and providers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from echo_p2p.net.identity import Identity, peer_id_from_owner_key
+from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.net.records import OtherProtocolError, PeerRecord, ProviderRecord, RecordError, WireRecord
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=WireRecord)
+
+
+@dataclass(frozen=True)
+class Entry(Generic[R]):
+    """A record read from the DHT with its expiration time (DHT time, i.e. wall-clock seconds)."""
+
+    record: R
+    expires_at: float
+
+
+class SwarmDirectory:
+    """Reads and writes one run's directory records through a running ``hivemind.DHT``."""
+
+    def __init__(self, dht, keys: SwarmKeys, identity: Identity, request_timeout: float = 10.0):
+        self.dht = dht
+        self.keys = keys
+        self.identity = identity
+        self.request_timeout = request_timeout
+        self.rejected: Counter[str] = Counter()  # reason -> count, for records dropped on read
+        self._warned_protocols: set[tuple[str, int]] = set()
+
+    # ---- writes -----------------------------------------------------------------------------------------
+    def announce(self, record: PeerRecord, ttl: float) -> bool:
+        """Store this peer's record for ``ttl`` seconds; True when at least one DHT node accepted it."""
+        return self._store(self.keys.peers, record, ttl)
+
+    def announce_provider(self, record: ProviderRecord, ttl: float) -> bool:
+        return self._store(self.keys.providers, record, ttl)
+
+    def _store(self, key: str, record: WireRecord, ttl: float) -> bool:
+        from hivemind.utils import get_dht_time
+
+        future = self.dht.store(
+            key,
+            record.to_wire(),
+            expiration_time=get_dht_time() + ttl,
+            subkey=self.identity.owner_key,
+            return_future=True,
+        )
+        try:
+            return bool(future.result(timeout=self.request_timeout))
+        except TimeoutError:
+            future.cancel()
+            logger.warning("storing %s timed out after %.1f s", key, self.request_timeout)
+            return False
+
+    # ---- reads ------------------------------------------------------------------------------------------
+    def peers(self) -> list[Entry[PeerRecord]]:
+        """Every valid, unexpired peer record of the run, newest announcement first."""
+        entries = self._read(self.keys.peers, PeerRecord)
+        return sorted(entries, key=lambda e: -e.record.updated_at)
+
+    def providers(self) -> list[Entry[ProviderRecord]]:
+        return self._read(self.keys.providers, ProviderRecord)
+
+    def _read(self, key: str, cls: type[R]) -> list[Entry[R]]:
+        from hivemind.utils import get_dht_time
+
+        future = self.dht.get(key, latest=True, return_future=True)
+        try:
+            found = future.result(timeout=self.request_timeout)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("reading %s timed out after %.1f s", key, self.request_timeout)
+            return []
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        out = []
+        for subkey, item in found.value.items():
+            if item.expiration_time < now:
+                continue
+            record = self._parse(subkey, item.value, cls)
+            if record is not None:
+                out.append(Entry(record, item.expiration_time))
+        return out
+
+    def _parse(self, subkey: object, value: object, cls: type[R]) -> R | None:
+        try:
+            record = cls.from_wire(value)
+        except OtherProtocolError as exc:
+            who = value.get("peer_id", "?") if isinstance(value, dict) else "?"
+            if (str(who), exc.protocol) not in self._warned_protocols:
+                self._warned_protocols.add((str(who), exc.protocol))
+                logger.info("ignoring peer %s: %s", who, exc)
+            self.rejected["other_protocol"] += 1
+            return None
+        except RecordError as exc:
+            logger.debug("dropping malformed %s: %s", cls.__name__, exc)
+            self.rejected["malformed"] += 1
+            return None
+        owner = peer_id_from_owner_key(subkey) if isinstance(subkey, bytes) else None
+        if owner is None or owner != getattr(record, "peer_id", None):
+            logger.debug("dropping %s whose peer id does not match its signing key", cls.__name__)
+            self.rejected["peer_id_mismatch"] += 1
+            return None
+        return record
+
+
+def wait_for(predicate, timeout: float, period: float = 0.2) -> bool:
+    """Poll ``predicate()`` until it is true or ``timeout`` passes; returns the last result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(period)

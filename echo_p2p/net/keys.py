@@ -1,0 +1,59 @@
+"""Every DHT key that echo_p2p reads or writes is built here, and only here.
+
+Keys carry the protocol version and the run id (``echo/v1/<run_id>/<name>``), so two runs, or two
+protocol versions, never read each other's records. Callers: the swarm directory, the weights and
+rollout transports, the CLIs. This module must not touch the network.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from echo_p2p import PROTOCOL_VERSION
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+KEY_PREFIX = "echo"
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is a valid run id (1-64 chars of ``A-Za-z0-9._-``), else raise ValueError."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+        raise ValueError(
+            f"invalid run id {run_id!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (starting with a letter or digit)"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class SwarmKeys:
+    """The DHT keys of one run at one protocol version."""
+
+    run_id: str
+    protocol: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"{KEY_PREFIX}/v{self.protocol}/{self.run_id}"
+
+    @property
+    def peers(self) -> str:
+        """Dictionary key: one subkey per peer (its owner key), value = that peer's ``PeerRecord``."""
+        return f"{self.prefix}/peers"
+
+    @property
+    def policy(self) -> str:
+        """Dictionary key: one subkey per trainer publisher, value = its newest policy manifest pointer."""
+        return f"{self.prefix}/policy"
+
+    @property
+    def providers(self) -> str:
+        """Dictionary key: one subkey per peer, value = the policy versions it holds completely and serves."""
+        return f"{self.prefix}/providers"
+
+    def all_keys(self) -> dict[str, str]:
+        """Name -> raw key, for every key of the run (used to build the DHT schema validator)."""
+        return {"peers": self.peers, "policy": self.policy, "providers": self.providers}

@@ -1,0 +1,168 @@
+"""Starting and stopping a hivemind DHT node with echo_p2p's validators, identity and deadlines.
+
+Owned here: turning a ``NetworkConfig`` + ``Identity`` into a running ``hivemind.DHT`` whose records are
+signed with the identity's key and validated against the run's schema; checking that listening ports
+are free (p2pd binds with SO_REUSEPORT and would silently share a busy port); bounded start-up with clear
+errors for unreachable initial peers; reading the node's visible addresses and neighbour counts.
+Callers: the bootstrap, the peers and the swarm CLI. No torch.nn.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+
+from echo_p2p.config import NetworkConfig
+from echo_p2p.net.identity import Identity
+from echo_p2p.net.keys import SwarmKeys
+
+logger = logging.getLogger(__name__)
+
+
+class NodeStartError(RuntimeError):
+    """The DHT node could not start or join: the message says why, in words a user can act on."""
+
+
+def check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """Raise NodeStartError if a fixed TCP port of ``host_maddrs`` is already bound by another process."""
+    for maddr in host_maddrs:
+        parts = maddr.split("/")
+        if "tcp" not in parts:
+            continue
+        port = int(parts[parts.index("tcp") + 1])
+        if port == 0:
+            continue
+        host, family = "0.0.0.0", socket.AF_INET
+        if "ip4" in parts:
+            host = parts[parts.index("ip4") + 1]
+        elif "ip6" in parts:
+            host, family = parts[parts.index("ip6") + 1], socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise NodeStartError(
+                        f"port {port} on {host} is already in use (another bootstrap or peer?): "
+                        f"choose another with --host-maddrs /ip4/{host}/tcp/PORT"
+                    ) from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise NodeStartError(f"cannot listen on {host}: no such local address ({maddr})") from None
+                raise NodeStartError(f"cannot listen on {maddr}: {exc.strerror}") from None
+
+
+def start_dht(
+    network: NetworkConfig,
+    identity: Identity,
+    run_keys: Sequence[SwarmKeys] = (),
+    *,
+    client_mode: bool = False,
+):
+    """Start a ``hivemind.DHT`` in a child process; raise ``NodeStartError`` within the startup deadline."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from echo_p2p.net.records import schema_validator
+
+    if not client_mode:
+        check_ports_free(network.host_maddrs)
+    validators = [RSASignatureValidator(identity.private_key)]
+    validators += [schema_validator(keys) for keys in run_keys]
+    kwargs = dict(
+        initial_peers=list(network.initial_peers),
+        host_maddrs=list(network.host_maddrs),
+        identity_path=identity.path,
+        record_validators=validators,
+        client_mode=client_mode,
+        start=False,
+        await_ready=False,
+        # a fresh identity cannot be taken; a persistent one is checked by hivemind (a second process
+        # with the same identity file would split the swarm's view of this peer)
+        check_if_identity_free=not identity.ephemeral,
+    )
+    if network.announce_maddrs:
+        kwargs["announce_maddrs"] = list(network.announce_maddrs)
+    dht = hivemind.DHT(**kwargs)
+    dht.start()
+    try:
+        dht.wait_until_ready(timeout=network.startup_timeout)
+    except TimeoutError:
+        _kill(dht)
+        raise NodeStartError(
+            f"the DHT node did not start within {network.startup_timeout:.0f} s; "
+            f"initial peers: {', '.join(network.initial_peers) or 'none'}"
+        ) from None
+    except Exception as exc:
+        _kill(dht)
+        raise NodeStartError(_explain_start_error(exc, network)) from None
+    return dht
+
+
+def _explain_start_error(exc: Exception, network: NetworkConfig) -> str:
+    text = str(exc)
+    if "failed to connect to bootstrap peers" in text or "bootstrap" in text.lower():
+        return (
+            "none of the initial peers answered: "
+            + ", ".join(network.initial_peers)
+            + " (is the bootstrap running, and is the address complete with its /p2p/ part?)"
+        )
+    if "already taken" in text:
+        return f"{text}: another running peer uses this identity file; give each peer its own --identity-path"
+    if "address already in use" in text.lower():
+        return f"a listening port is already in use ({', '.join(network.host_maddrs)})"
+    return f"the DHT node failed to start: {text.strip().splitlines()[-1] if text.strip() else type(exc).__name__}"
+
+
+def _kill(dht) -> None:
+    try:
+        dht.shutdown()
+    except Exception:  # the child may already be gone
+        pass
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(timeout=5)
+
+
+def stop_dht(dht, timeout: float = 10.0) -> None:
+    """Shut the DHT child process (and its p2pd) down; never hangs longer than ``timeout``."""
+    done = threading.Event()
+
+    def _shutdown() -> None:
+        try:
+            dht.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=_shutdown, daemon=True).start()
+    if not done.wait(timeout) and dht.is_alive():
+        logger.warning("DHT did not shut down within %.0f s; terminating its process", timeout)
+        dht.terminate()
+        dht.join(timeout=5)
+
+
+def visible_maddrs(dht) -> list[str]:
+    """Addresses others can dial, with the /p2p/ part; wildcard listens are left out."""
+    out = []
+    for maddr in dht.get_visible_maddrs():
+        text = str(maddr)
+        parts = text.split("/")
+        if "ip4" in parts and ipaddress.ip_address(parts[parts.index("ip4") + 1]).is_unspecified:
+            continue
+        out.append(text)
+    return out
+
+
+def neighbour_counts(dht, timeout: float = 5.0) -> tuple[int, int]:
+    """(peers in the DHT routing table, peers with an open libp2p connection)."""
+    return dht.run_coroutine(_count_neighbours, return_future=True).result(timeout=timeout)
+
+
+async def _count_neighbours(_dht, node) -> tuple[int, int]:
+    # runs inside the DHT's child process: must be a module-level function (it is pickled there)
+    table = len(node.protocol.routing_table.peer_id_to_uid)
+    connected = len(await node.p2p.list_peers())
+    return table, connected

@@ -1,0 +1,137 @@
+"""Typed DHT records of the swarm directory and their validation on the DHT.
+
+Owned here: the pydantic schemas of the records that peers announce (``PeerRecord``,
+``ProviderRecord``), the rule for unknown fields and other protocol versions, and the hivemind
+``SchemaValidator`` that every echo_p2p node runs so that malformed records are refused at store time and
+at read time. Records are stored as plain msgpack maps (``record.to_wire()``); parsing ignores unknown
+fields so that newer peers can add fields. Callers: ``directory.py`` and the transports. No network I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import pydantic.v1 as pydantic_v1
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo_p2p import PROTOCOL_VERSION, __version__
+from echo_p2p.net.keys import SwarmKeys
+
+Role = Literal["inference", "trainer", "bootstrap"]
+MAX_MADDRS = 16
+MAX_STR = 256
+
+
+class WireRecord(BaseModel):
+    """Base of every DHT record: a protocol version, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    protocol: int = Field(default=PROTOCOL_VERSION, description="Protocol version of the record's writer")
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="python")
+
+    @classmethod
+    def from_wire(cls, value: Any) -> WireRecord:
+        """Parse an untrusted DHT value; raises ``RecordError`` with a reason on any problem."""
+        if not isinstance(value, dict):
+            raise RecordError(f"{cls.__name__} must be a map, got {type(value).__name__}")
+        protocol = value.get("protocol")
+        if type(protocol) is not int:
+            raise RecordError(f"{cls.__name__} has no integer 'protocol' field")
+        if protocol != PROTOCOL_VERSION:
+            raise OtherProtocolError(protocol)
+        try:
+            return cls.model_validate(value)
+        except ValidationError as exc:
+            raise RecordError(f"malformed {cls.__name__}: {_short(exc)}") from exc
+
+
+class RecordError(ValueError):
+    """A DHT record that does not parse (malformed, wrong types, out of range)."""
+
+
+class OtherProtocolError(RecordError):
+    """A record written by a peer of another protocol version: ignored, logged once."""
+
+    def __init__(self, protocol: int):
+        super().__init__(f"record of protocol version {protocol} (this peer speaks {PROTOCOL_VERSION})")
+        self.protocol = protocol
+
+
+def _short(exc: ValidationError) -> str:
+    errors = exc.errors()
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3]]
+    return "; ".join(parts) + (f" (+{len(errors) - 3} more)" if len(errors) > 3 else "")
+
+
+class PeerRecord(WireRecord):
+    """What a peer announces about itself under ``SwarmKeys.peers`` (subkey: its own public key)."""
+
+    peer_id: str = Field(max_length=128, description="libp2p peer id (base58); must match the signing key")
+    role: Role = Field(description="The peer's role in the run")
+    software_version: str = Field(default=__version__, max_length=64, description="echo_p2p version")
+    mode: Literal["sync", "async"] | None = Field(default=None, description="Sync mode the peer runs in")
+    policy_version: int | None = Field(default=None, ge=0, description="Newest complete policy version held")
+    maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+    started_at: float = Field(default_factory=time.time, description="Wall-clock start time of the peer")
+    updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
+    state: Literal["starting", "running", "leaving"] = Field(default="running", description="Life-cycle state")
+    # role figures (inference): filled by the inference peer
+    tokens_per_second: float | None = Field(default=None, ge=0, description="Sampling throughput (inference)")
+    rollouts_per_second: float | None = Field(default=None, ge=0, description="Rollout groups sent or consumed per s")
+    # role figures (trainer): filled by the trainer peer
+    free_buffer_room: int | None = Field(default=None, ge=0, description="Rollout groups the trainer can accept")
+    accepts_rollouts: bool | None = Field(default=None, description="Trainer: whether it ingests pushed rollouts")
+
+
+class ProviderRecord(WireRecord):
+    """Under ``SwarmKeys.providers`` (subkey: the provider's key): policy versions a peer holds and serves."""
+
+    peer_id: str = Field(max_length=128, description="libp2p peer id (base58) of the provider")
+    versions: list[int] = Field(default_factory=list, max_length=64, description="Complete versions it serves")
+    encodings: list[str] = Field(default_factory=list, max_length=16, description="Encodings it serves")
+    maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+
+
+class _DhtValue:
+    """A pydantic-v1 type for hivemind's SchemaValidator: checks a value against one of our v2 records.
+
+    hivemind compares the parsed value with the raw one and refuses any conversion, so this type returns
+    the raw map unchanged. Records of another protocol version are let through (they are that version's
+    business; readers of this version ignore them with a log line).
+    """
+
+    record_cls: type[WireRecord] = WireRecord
+
+    @classmethod
+    def __get_validators__(cls):
+        yield cls.validate
+
+    @classmethod
+    def validate(cls, value: Any) -> Any:
+        try:
+            cls.record_cls.from_wire(value)
+        except OtherProtocolError:
+            return value
+        except RecordError as exc:
+            raise ValueError(str(exc)) from exc
+        return value
+
+
+def _value_type(record_cls: type[WireRecord]) -> type:
+    return type(f"DHT{record_cls.__name__}", (_DhtValue,), {"record_cls": record_cls})
+
+
+def schema_validator(keys: SwarmKeys):
+    """The hivemind ``SchemaValidator`` for one run's keys: dictionary records keyed by owner public key."""
+    from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+
+    fields = {
+        keys.peers: (dict[BytesWithPublicKey, _value_type(PeerRecord)], None),
+        keys.providers: (dict[BytesWithPublicKey, _value_type(ProviderRecord)], None),
+    }
+    schema = pydantic_v1.create_model(f"EchoSchema_{keys.protocol}", **fields)
+    return SchemaValidator(schema, allow_extra_keys=True)

@@ -1,0 +1,62 @@
+"""Rollout groups: the typed record that inference peers produce and trainers consume.
+
+Owned here: the schema of one group of ``G`` completions of one prompt, sampled at one policy version,
+and its single serializer (msgpack via pydantic). Used by the engines' callers (inference peer), the
+rollout transport (networking) and the trainer (validation, replay buffer, GRPO).
+Must not import torch or hivemind: it is a plain data record. Unknown fields are ignored on parse, so a
+newer peer may add fields.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Completion(BaseModel):
+    """One sampled completion of a prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    token_ids: list[int] = Field(description="Completion token ids (no prompt, no padding); EOS included if sampled")
+    logprobs: list[float] = Field(
+        description="Behaviour log-prob of each sampled token under the sampling distribution, same length as token_ids"
+    )
+    claimed_reward: float = Field(description="Reward computed by the sampler; trainers re-score and never trust it")
+    finished: bool = Field(default=True, description="True when the completion ended with EOS (not truncated)")
+
+
+class RolloutGroup(BaseModel):
+    """``G`` completions of one prompt sampled by one policy version."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    protocol: int = Field(default=1, description="Wire protocol version")
+    rollout_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description="Unique id, for de-duplication")
+    task: str = Field(description="Name of the task that made the prompt and scores the completions")
+    prompt_id: int = Field(description="Deterministic prompt id: the task rebuilds the prompt from it")
+    prompt_token_ids: list[int] = Field(description="Prompt token ids as the sampler tokenized them")
+    completions: list[Completion] = Field(description="The G completions of this prompt")
+    policy_version: int = Field(description="Policy version that sampled every completion of the group")
+    sampler_peer_id: str = Field(default="", description="Peer id (base58) of the inference peer that sampled it")
+    sampled_at: float = Field(default=0.0, description="Sampler's wall-clock time when the group finished")
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RolloutGroup:
+        """Parse untrusted bytes; raises ``ValueError`` (pydantic ``ValidationError`` included) on bad input."""
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ValueError(f"not a msgpack record: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ValueError("rollout record must be a map")
+        return cls.model_validate(obj)
