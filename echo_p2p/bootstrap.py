@@ -16,7 +16,14 @@ import threading
 import time
 
 from echo_p2p import __version__
-from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_network_flags, fail, install_stop_handlers, network_flags
+from echo_p2p.cli import (
+    EXIT_CONFIG,
+    EXIT_START,
+    add_network_flags,
+    fail,
+    install_stop_handlers,
+    network_flags,
+)
 
 logger = logging.getLogger("echo_p2p.bootstrap")
 
@@ -60,7 +67,12 @@ class BootstrapPeer:
         while not self.stop_event.wait(self.config.status_period):
             try:
                 table, connected = neighbour_counts(self.dht)
-                logger.info("bootstrap %s sees %d DHT peers, %d connections", self.identity.peer_id[-8:], table, connected)
+                logger.info(
+                    "bootstrap %s sees %d DHT peers, %d connections",
+                    self.identity.peer_id[-8:],
+                    table,
+                    connected,
+                )
             except Exception as exc:
                 logger.warning("could not count peers: %s", exc)
 
@@ -87,13 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a bootstrap peer: the door into echo_p2p runs. See bootstrap/README.md to deploy one.",
     )
     parser.add_argument("--version", action="version", version=f"echo_p2p {__version__}")
-    parser.add_argument("--config", metavar="FILE", default=None, help="YAML config (see bootstrap/bootstrap.yaml)")
-    parser.add_argument("--maddrs-file", metavar="PATH", default=None, help="write the visible multiaddrs here once ready")
-    parser.add_argument("--run-id", dest="run_ids", action="append", default=None, metavar="NAME",
-                        help="also schema-validate the records of this run (repeatable)")
-    parser.add_argument("--status-period", type=float, metavar="S", default=None, help="seconds between status lines")
+    parser.add_argument(
+        "--config", metavar="FILE", default=None, help="YAML config (see bootstrap/bootstrap.yaml)"
+    )
+    parser.add_argument(
+        "--maddrs-file", metavar="PATH", default=None, help="write the visible multiaddrs here once ready"
+    )
+    parser.add_argument(
+        "--run-id",
+        dest="run_ids",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="also schema-validate the records of this run (repeatable)",
+    )
+    parser.add_argument(
+        "--status-period", type=float, metavar="S", default=None, help="seconds between status lines"
+    )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
-    add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/31337: all interfaces, the public default port")
+    add_network_flags(
+        parser, host_default_help="default /ip4/0.0.0.0/tcp/31337: all interfaces, the public default port"
+    )
     return parser
 
 

@@ -18,23 +18,38 @@ EXIT_START = 1  #: could not start or join (port busy, initial peers silent, bad
 def add_network_flags(parser: argparse.ArgumentParser, *, host_default_help: str) -> None:
     group = parser.add_argument_group("network")
     group.add_argument(
-        "--initial-peers", nargs="+", metavar="MADDR", default=None,
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        default=None,
         help="multiaddrs of known peers, as printed by a bootstrap (env ECHO_INITIAL_PEERS)",
     )
     group.add_argument(
-        "--host-maddrs", nargs="+", metavar="MADDR", default=None,
+        "--host-maddrs",
+        nargs="+",
+        metavar="MADDR",
+        default=None,
         help=f"multiaddrs to listen on ({host_default_help}; env ECHO_HOST_MADDRS)",
     )
     group.add_argument(
-        "--announce-maddrs", nargs="+", metavar="MADDR", default=None,
+        "--announce-maddrs",
+        nargs="+",
+        metavar="MADDR",
+        default=None,
         help="multiaddrs to tell others (e.g. your public IP and forwarded port; env ECHO_ANNOUNCE_MADDRS)",
     )
     group.add_argument(
-        "--identity-path", metavar="FILE", default=None,
+        "--identity-path",
+        metavar="FILE",
+        default=None,
         help="private key file, created when missing: keeps the peer id across restarts (env ECHO_IDENTITY_PATH)",
     )
     group.add_argument(
-        "--startup-timeout", type=float, metavar="S", default=None, help="deadline to start and join (default 30)"
+        "--startup-timeout",
+        type=float,
+        metavar="S",
+        default=None,
+        help="deadline to start and join (default 30)",
     )
 
 

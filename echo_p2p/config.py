@@ -26,9 +26,23 @@ class ConfigError(ValueError):
 
 
 _MADDR_PROTOCOLS = {  # protocol -> takes a value
-    "ip4": True, "ip6": True, "dns": True, "dns4": True, "dns6": True, "dnsaddr": True,
-    "tcp": True, "udp": True, "p2p": True, "ipfs": True,
-    "quic": False, "quic-v1": False, "ws": False, "wss": False, "p2p-circuit": False, "tls": False, "noise": False,
+    "ip4": True,
+    "ip6": True,
+    "dns": True,
+    "dns4": True,
+    "dns6": True,
+    "dnsaddr": True,
+    "tcp": True,
+    "udp": True,
+    "p2p": True,
+    "ipfs": True,
+    "quic": False,
+    "quic-v1": False,
+    "ws": False,
+    "wss": False,
+    "p2p-circuit": False,
+    "tls": False,
+    "noise": False,
 }
 
 
@@ -81,13 +95,16 @@ class NetworkConfig(StrictModel):
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs to listen on"
     )
     announce_maddrs: list[str] = Field(
-        default_factory=list, description="Multiaddrs others should dial (e.g. a public IP behind port forwarding)"
+        default_factory=list,
+        description="Multiaddrs others should dial (e.g. a public IP behind port forwarding)",
     )
     identity_path: str | None = Field(
         default=None, description="Private key file; created when missing; keeps the peer id across restarts"
     )
     startup_timeout: float = Field(default=30.0, gt=0, le=600, description="Deadline (s) to start and join")
-    request_timeout: float = Field(default=10.0, gt=0, le=300, description="Deadline (s) of one DHT read/write")
+    request_timeout: float = Field(
+        default=10.0, gt=0, le=300, description="Deadline (s) of one DHT read/write"
+    )
 
     @field_validator("initial_peers")
     @classmethod
@@ -106,14 +123,21 @@ class PeerConfig(StrictModel):
     role: Literal["inference", "trainer"] = Field(description="What this peer does in the run")
     run_id: str = Field(description="Name of the run to join (1-64 chars of A-Za-z0-9._-)")
     mode: Literal["sync", "async"] = Field(
-        default="async", description="sync: sequential pull (on-policy); async: push-pull with bounded staleness"
+        default="async",
+        description="sync: sequential pull (on-policy); async: push-pull with bounded staleness",
     )
-    network: NetworkConfig = Field(default_factory=NetworkConfig, description="Addresses, identity, deadlines")
+    network: NetworkConfig = Field(
+        default_factory=NetworkConfig, description="Addresses, identity, deadlines"
+    )
     metrics_dir: str | None = Field(
         default=None, description="Append metrics as JSON lines to <dir>/<role>-<peer id>.jsonl"
     )
-    metrics_period: float = Field(default=10.0, gt=0, le=3600, description="Seconds between two metrics lines")
-    heartbeat_period: float = Field(default=5.0, ge=0.2, le=600, description="Seconds between two announcements")
+    metrics_period: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds between two metrics lines"
+    )
+    heartbeat_period: float = Field(
+        default=5.0, ge=0.2, le=600, description="Seconds between two announcements"
+    )
     record_ttl: float | None = Field(
         default=None, gt=0, le=3600, description="Lifetime (s) of an announcement; default 3 heartbeats"
     )
@@ -146,7 +170,9 @@ class BootstrapConfig(StrictModel):
         default_factory=lambda: NetworkConfig(host_maddrs=[f"/ip4/0.0.0.0/tcp/{PUBLIC_BOOTSTRAP_PORT}"]),
         description="Listening addresses (default: all interfaces, TCP 31337), identity, other bootstraps",
     )
-    maddrs_file: str | None = Field(default=None, description="Write the visible multiaddrs here, one per line")
+    maddrs_file: str | None = Field(
+        default=None, description="Write the visible multiaddrs here, one per line"
+    )
     run_ids: list[str] = Field(
         default_factory=list, description="Runs whose records this node also schema-validates (optional)"
     )

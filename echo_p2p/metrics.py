@@ -27,7 +27,13 @@ class MetricsWriter:
     def write(self, version: int | None, **figures: Any) -> dict[str, Any] | None:
         if self.path is None:
             return None
-        line = {"time": time.time(), "role": self.role, "peer_id": self.peer_id, "version": version, **figures}
+        line = {
+            "time": time.time(),
+            "role": self.role,
+            "peer_id": self.peer_id,
+            "version": version,
+            **figures,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(line, default=str) + "\n")
             f.flush()

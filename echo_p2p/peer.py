@@ -11,7 +11,14 @@ import os
 import sys
 
 from echo_p2p import __version__
-from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_network_flags, fail, install_stop_handlers, network_flags
+from echo_p2p.cli import (
+    EXIT_CONFIG,
+    EXIT_START,
+    add_network_flags,
+    fail,
+    install_stop_handlers,
+    network_flags,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +28,23 @@ def build_parser() -> argparse.ArgumentParser:
         "Precedence: flags > ECHO_* environment variables > --config YAML > defaults.",
     )
     parser.add_argument("--version", action="version", version=f"echo_p2p {__version__}")
-    parser.add_argument("--role", choices=["inference", "trainer"], default=None, help="the peer's role (env ECHO_ROLE)")
+    parser.add_argument(
+        "--role", choices=["inference", "trainer"], default=None, help="the peer's role (env ECHO_ROLE)"
+    )
     parser.add_argument("--run-id", default=None, help="name of the run to join (env ECHO_RUN_ID)")
     parser.add_argument("--config", metavar="FILE", default=None, help="YAML config file (see peers/*.yaml)")
-    parser.add_argument("--mode", choices=["sync", "async"], default=None, help="sync: sequential pull; async: push-pull")
-    parser.add_argument("--metrics-dir", metavar="DIR", default=None, help="append metrics as JSON lines here")
-    parser.add_argument("--heartbeat-period", type=float, metavar="S", default=None, help="seconds between announcements")
-    parser.add_argument("--record-ttl", type=float, metavar="S", default=None, help="lifetime of an announcement")
+    parser.add_argument(
+        "--mode", choices=["sync", "async"], default=None, help="sync: sequential pull; async: push-pull"
+    )
+    parser.add_argument(
+        "--metrics-dir", metavar="DIR", default=None, help="append metrics as JSON lines here"
+    )
+    parser.add_argument(
+        "--heartbeat-period", type=float, metavar="S", default=None, help="seconds between announcements"
+    )
+    parser.add_argument(
+        "--record-ttl", type=float, metavar="S", default=None, help="lifetime of an announcement"
+    )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
     add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/0: all interfaces, a free port")
     return parser
@@ -48,7 +65,9 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "log_level": args.log_level,
         **network_flags(args),
     }
-    return build_config(PeerConfig, yaml_path=args.config, environ=os.environ if environ is None else environ, flags=flags)
+    return build_config(
+        PeerConfig, yaml_path=args.config, environ=os.environ if environ is None else environ, flags=flags
+    )
 
 
 def make_peer(config):

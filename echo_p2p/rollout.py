@@ -20,12 +20,18 @@ class Completion(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    token_ids: list[int] = Field(description="Completion token ids (no prompt, no padding); EOS included if sampled")
+    token_ids: list[int] = Field(
+        description="Completion token ids (no prompt, no padding); EOS included if sampled"
+    )
     logprobs: list[float] = Field(
         description="Behaviour log-prob of each sampled token under the sampling distribution, same length as token_ids"
     )
-    claimed_reward: float = Field(description="Reward computed by the sampler; trainers re-score and never trust it")
-    finished: bool = Field(default=True, description="True when the completion ended with EOS (not truncated)")
+    claimed_reward: float = Field(
+        description="Reward computed by the sampler; trainers re-score and never trust it"
+    )
+    finished: bool = Field(
+        default=True, description="True when the completion ended with EOS (not truncated)"
+    )
 
 
 class RolloutGroup(BaseModel):
@@ -34,13 +40,17 @@ class RolloutGroup(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     protocol: int = Field(default=1, description="Wire protocol version")
-    rollout_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description="Unique id, for de-duplication")
+    rollout_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex, description="Unique id, for de-duplication"
+    )
     task: str = Field(description="Name of the task that made the prompt and scores the completions")
     prompt_id: int = Field(description="Deterministic prompt id: the task rebuilds the prompt from it")
     prompt_token_ids: list[int] = Field(description="Prompt token ids as the sampler tokenized them")
     completions: list[Completion] = Field(description="The G completions of this prompt")
     policy_version: int = Field(description="Policy version that sampled every completion of the group")
-    sampler_peer_id: str = Field(default="", description="Peer id (base58) of the inference peer that sampled it")
+    sampler_peer_id: str = Field(
+        default="", description="Peer id (base58) of the inference peer that sampled it"
+    )
     sampled_at: float = Field(default=0.0, description="Sampler's wall-clock time when the group finished")
 
     @property

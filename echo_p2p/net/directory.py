@@ -45,14 +45,14 @@ class SwarmDirectory:
         self._warned_protocols: set[tuple[str, int]] = set()
 
     # ---- writes -----------------------------------------------------------------------------------------
-    def announce(self, record: PeerRecord, ttl: float) -> bool:
+    def announce(self, record: PeerRecord, ttl: float, timeout: float | None = None) -> bool:
         """Store this peer's record for ``ttl`` seconds; True when at least one DHT node accepted it."""
-        return self._store(self.keys.peers, record, ttl)
+        return self._store(self.keys.peers, record, ttl, timeout)
 
     def announce_provider(self, record: ProviderRecord, ttl: float) -> bool:
         return self._store(self.keys.providers, record, ttl)
 
-    def _store(self, key: str, record: WireRecord, ttl: float) -> bool:
+    def _store(self, key: str, record: WireRecord, ttl: float, timeout: float | None = None) -> bool:
         from hivemind.utils import get_dht_time
 
         future = self.dht.store(
@@ -63,10 +63,10 @@ class SwarmDirectory:
             return_future=True,
         )
         try:
-            return bool(future.result(timeout=self.request_timeout))
+            return bool(future.result(timeout=timeout or self.request_timeout))
         except TimeoutError:
             future.cancel()
-            logger.warning("storing %s timed out after %.1f s", key, self.request_timeout)
+            logger.warning("storing %s timed out after %.1f s", key, timeout or self.request_timeout)
             return False
 
     # ---- reads ------------------------------------------------------------------------------------------

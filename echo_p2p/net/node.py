@@ -51,7 +51,9 @@ def check_ports_free(host_maddrs: Sequence[str]) -> None:
                         f"choose another with --host-maddrs /ip4/{host}/tcp/PORT"
                     ) from None
                 if exc.errno == errno.EADDRNOTAVAIL:
-                    raise NodeStartError(f"cannot listen on {host}: no such local address ({maddr})") from None
+                    raise NodeStartError(
+                        f"cannot listen on {host}: no such local address ({maddr})"
+                    ) from None
                 raise NodeStartError(f"cannot listen on {maddr}: {exc.strerror}") from None
 
 

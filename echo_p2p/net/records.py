@@ -78,20 +78,30 @@ class PeerRecord(WireRecord):
     maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
     started_at: float = Field(default_factory=time.time, description="Wall-clock start time of the peer")
     updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
-    state: Literal["starting", "running", "leaving"] = Field(default="running", description="Life-cycle state")
+    state: Literal["starting", "running", "leaving"] = Field(
+        default="running", description="Life-cycle state"
+    )
     # role figures (inference): filled by the inference peer
     tokens_per_second: float | None = Field(default=None, ge=0, description="Sampling throughput (inference)")
-    rollouts_per_second: float | None = Field(default=None, ge=0, description="Rollout groups sent or consumed per s")
+    rollouts_per_second: float | None = Field(
+        default=None, ge=0, description="Rollout groups sent or consumed per s"
+    )
     # role figures (trainer): filled by the trainer peer
-    free_buffer_room: int | None = Field(default=None, ge=0, description="Rollout groups the trainer can accept")
-    accepts_rollouts: bool | None = Field(default=None, description="Trainer: whether it ingests pushed rollouts")
+    free_buffer_room: int | None = Field(
+        default=None, ge=0, description="Rollout groups the trainer can accept"
+    )
+    accepts_rollouts: bool | None = Field(
+        default=None, description="Trainer: whether it ingests pushed rollouts"
+    )
 
 
 class ProviderRecord(WireRecord):
     """Under ``SwarmKeys.providers`` (subkey: the provider's key): policy versions a peer holds and serves."""
 
     peer_id: str = Field(max_length=128, description="libp2p peer id (base58) of the provider")
-    versions: list[int] = Field(default_factory=list, max_length=64, description="Complete versions it serves")
+    versions: list[int] = Field(
+        default_factory=list, max_length=64, description="Complete versions it serves"
+    )
     encodings: list[str] = Field(default_factory=list, max_length=16, description="Encodings it serves")
     maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
 

@@ -81,7 +81,9 @@ class BasePeer:
         """Start the DHT node, join the run and announce; raises ``NodeStartError`` on failure."""
         t0 = time.monotonic()
         self.dht = start_dht(self.config.network, self.identity, [self.keys])
-        self.directory = SwarmDirectory(self.dht, self.keys, self.identity, self.config.network.request_timeout)
+        self.directory = SwarmDirectory(
+            self.dht, self.keys, self.identity, self.config.network.request_timeout
+        )
         self.maddrs = visible_maddrs(self.dht)
         self.announce()
         self.on_start()
@@ -119,7 +121,7 @@ class BasePeer:
             self._announcer.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:
             try:
-                self.announce(state="leaving", ttl=LEAVING_TTL)
+                self.announce(state="leaving", ttl=LEAVING_TTL, timeout=LEAVING_TTL)
             except Exception as exc:  # leaving must never fail
                 logger.debug("could not announce leaving: %s", exc)
             stop_dht(self.dht)
@@ -146,9 +148,11 @@ class BasePeer:
             **self.role_fields(),
         )
 
-    def announce(self, state: str = "running", ttl: float | None = None) -> bool:
+    def announce(
+        self, state: str = "running", ttl: float | None = None, timeout: float | None = None
+    ) -> bool:
         assert self.directory is not None, "start() first"
-        ok = self.directory.announce(self.record(state), ttl or self.config.record_ttl)
+        ok = self.directory.announce(self.record(state), ttl or self.config.record_ttl, timeout)
         if not ok:
             self.announcements_failed += 1
             logger.warning("%s announcement was not stored by any DHT node", self.prefix())
@@ -173,5 +177,7 @@ class BasePeer:
         figures = {"dht_neighbours": table, "connections": connected, **self.figures()}
         self.metrics.write(self.policy_version, **figures)
         logger.info(
-            "%s %s", self.prefix(), " ".join(f"{k}={v}" for k, v in figures.items() if not isinstance(v, dict))
+            "%s %s",
+            self.prefix(),
+            " ".join(f"{k}={v}" for k, v in figures.items() if not isinstance(v, dict)),
         )

@@ -1,0 +1,193 @@
+"""GRPO maths: group-normalised advantages, per-token log-probs and the clipped policy loss.
+
+Owned here: pure functions, no state, no model, no optimizer. ``batching`` calls ``group_advantages``;
+``learner`` calls ``token_logprobs`` and ``grpo_loss``. Must not import hivemind, must not call
+``backward()`` or touch an optimizer (the learner owns the backward pass and the caller owns the step).
+
+Conventions (shared with ``batching``): every per-token tensor is ``[B, L]`` and aligned with
+``input_ids``: position ``t`` holds the quantity of token ``input_ids[:, t]`` (its log-prob given the
+tokens before it, its advantage, whether it is a completion token). Position 0 therefore never carries a
+completion token. ``mask`` is 1 on completion tokens only (prompt and padding are 0).
+
+The objective, per completion token ``t`` of sequence ``i`` with advantage ``A_i``::
+
+    r_t      = exp(logp_t - behaviour_logp_t)            # current policy / the policy that sampled it
+    obj_t    = min(r_t * A_i, clip(r_t, 1 - clip_low, 1 + clip_high) * A_i)
+    loss_t   = -obj_t + kl_beta * k3_t                   # k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+
+The ratio is taken against the behaviour log-probs that came with the rollout (PPO-style decoupling of
+the sampler from the learner): STACK.md measured it robust up to 4 versions stale. With ``tis_cap = c``
+the ratio is additionally truncated *on top of* the clip: ``r_t`` is replaced by a value ``min(r_t, c)``
+whose gradient is ``min(r_t, c) * grad(logp_t)`` (a detached truncation factor). The clip already stops
+the gradient of ``r > 1 + clip_high`` when ``A > 0``; the cap bounds the one branch the clip leaves open,
+``A < 0`` with a large ratio (a token that the current policy likes much more than the stale sampler
+did), whose loss and gradient would otherwise grow without bound. It is meant for async mode. A truncated
+weight on an *unclipped* loss collapsed in STACK.md's measurements: keep the clip.
+
+Loss aggregation (``agg``):
+- ``"token_mean"`` (default, DAPO): sum of token losses over the batch / number of completion tokens in
+  the batch. Every token weighs the same, so long completions are not under-weighted.
+- ``"seq_mean"`` (original GRPO): mean over each completion's tokens, then mean over completions.
+For gradient accumulation, pass ``normalizer`` = the count of the *full* batch (tokens for
+``token_mean``, sequences for ``seq_mean``): the micro-batch losses then sum to the full-batch loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+LossAggregation = Literal["token_mean", "seq_mean"]
+
+
+def group_advantages(rewards: Sequence[float], scale_rewards: bool = True, eps: float = 1e-6) -> list[float]:
+    """Advantages of one group: ``(r - mean) / (std + eps)``, or ``r - mean`` when ``scale_rewards`` is False.
+
+    ``std`` is the population standard deviation of the group (``ddof=0``): a group of rewards ``[0, 1]``
+    gets advantages ``[-1, 1]`` (up to ``eps``). ``scale_rewards=False`` is the Dr. GRPO variant (no
+    per-group std scaling, which otherwise up-weights groups whose rewards barely differ). A group whose
+    rewards are all equal gets exact zeros (no NaN): it carries no learning signal.
+    """
+    n = len(rewards)
+    if n == 0:
+        return []
+    mean = math.fsum(rewards) / n
+    centred = [float(r) - mean for r in rewards]
+    if max(abs(c) for c in centred) <= 1e-12 * max(1.0, abs(mean)):
+        return [0.0] * n
+    if not scale_rewards:
+        return centred
+    std = math.sqrt(math.fsum(c * c for c in centred) / n)
+    return [c / (std + eps) for c in centred]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of each token of ``input_ids`` under ``softmax(logits / temperature)`` of the position before.
+
+    :param logits: ``[B, L, V]`` causal-LM logits (``logits[:, t]`` predicts token ``t + 1``)
+    :param input_ids: ``[B, L]``
+    :param temperature: must equal the sampling temperature, since the behaviour log-probs were computed
+        on ``softmax(logits / temperature)``; otherwise every ratio is off even for on-policy data.
+    :returns: ``[B, L]`` float32, aligned with ``input_ids``; column 0 (no previous position) is 0.
+
+    Computed in float32 as ``logit[token] - logsumexp(logits)`` (no full log-softmax tensor kept).
+    Sampling-time logits processors other than temperature (top-k, top-p, repetition penalty) change the
+    behaviour distribution too; samplers that use them must report log-probs of the distribution they
+    actually sampled from, and the trainer's ratio is then only approximately right.
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 (greedy decoding has no log-probs to learn from)")
+    shifted = logits[:, :-1, :].float()
+    if temperature != 1.0:
+        shifted = shifted / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    chosen = shifted.gather(-1, targets).squeeze(-1)
+    logp = chosen - torch.logsumexp(shifted, dim=-1)
+    return torch.nn.functional.pad(logp, (1, 0), value=0.0)
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    tis_cap: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    agg: LossAggregation = "token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped GRPO loss over one (micro-)batch; see the module docstring for the formulas.
+
+    :param logprobs: ``[B, L]`` current-policy log-probs (with grad), from ``token_logprobs``
+    :param behaviour_logprobs: ``[B, L]`` log-probs reported by the sampler; ignored where ``mask`` is 0
+    :param advantages: ``[B, L]`` (per token) or ``[B]`` (per sequence, broadcast over tokens)
+    :param mask: ``[B, L]`` 1 on completion tokens, 0 on prompt and padding
+    :param tis_cap: optional truncation of the ratio on top of the clip (async mode), e.g. 2.0
+    :param ref_logprobs: ``[B, L]`` reference-policy log-probs, needed when ``kl_beta > 0``
+    :param agg: ``"token_mean"`` or ``"seq_mean"``
+    :param normalizer: divide by this instead of this batch's token count (``token_mean``) or sequence
+        count (``seq_mean``); pass the full batch's count when accumulating micro-batches
+    :returns: ``(loss, stats)``; stats are means over this batch's completion tokens (``*_seq`` ones over
+        sequences), with ``num_tokens`` and ``num_sequences`` to weight them when combining micro-batches.
+    """
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError("clip_low and clip_high must be >= 0")
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError("tis_cap must be > 0")
+    if kl_beta != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_beta != 0 needs ref_logprobs")
+    if agg not in ("token_mean", "seq_mean"):
+        raise ValueError(f"unknown loss aggregation {agg!r}")
+    maskb = mask.bool()
+    maskf = maskb.to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1).expand_as(logprobs)
+    advantages = advantages.to(logprobs.dtype)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+    # Masked positions get log-ratio 0 (ratio 1) so that garbage there can never make inf/NaN.
+    log_ratio = torch.where(maskb, logprobs - behaviour_logprobs.to(logprobs.dtype), zero)
+    ratio = torch.exp(log_ratio)
+    if tis_cap is not None:
+        # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
+        excess = (log_ratio - math.log(tis_cap)).clamp(min=0.0).detach()
+        ratio_used = torch.exp(log_ratio - excess)
+    else:
+        ratio_used = ratio
+    clipped = ratio_used.clamp(1.0 - clip_low, 1.0 + clip_high)
+    obj = torch.minimum(ratio_used * advantages, clipped * advantages)
+    token_loss = -obj
+
+    kl = None
+    if ref_logprobs is not None:
+        d = torch.where(maskb, ref_logprobs.to(logprobs.dtype) - logprobs, zero)
+        kl = torch.exp(d) - d - 1.0  # k3 estimator of KL(pi || ref): >= 0, unbiased, 0 when pi == ref
+        if kl_beta != 0.0:
+            token_loss = token_loss + kl_beta * kl
+
+    token_loss = token_loss * maskf
+    tokens_per_seq = maskf.sum(dim=1)
+    num_tokens = float(tokens_per_seq.sum())
+    num_seqs = logprobs.shape[0]
+    if agg == "token_mean":
+        total = token_loss.sum()
+        default_norm = max(num_tokens, 1.0)
+    else:
+        total = (token_loss.sum(dim=1) / tokens_per_seq.clamp(min=1.0)).sum()
+        default_norm = max(float(num_seqs), 1.0)
+    loss = total / (normalizer if normalizer is not None else default_norm)
+
+    with torch.no_grad():
+        denom = max(num_tokens, 1.0)
+
+        def tmean(x: torch.Tensor) -> float:
+            return float((x * maskf).sum() / denom)
+
+        clipped_high = (ratio_used > 1.0 + clip_high) & (advantages > 0)
+        clipped_low = (ratio_used < 1.0 - clip_low) & (advantages < 0)
+        stats: dict[str, float] = {
+            "num_tokens": num_tokens,
+            "num_sequences": float(num_seqs),
+            "clip_frac": tmean((clipped_high | clipped_low).to(maskf.dtype)),
+            "clip_frac_high": tmean(clipped_high.to(maskf.dtype)),
+            "clip_frac_low": tmean(clipped_low.to(maskf.dtype)),
+            "ratio_mean": tmean(ratio),
+            "ratio_max": float(torch.where(maskb, ratio, zero).max()) if num_tokens else 1.0,
+            # k1 estimate of KL(behaviour || current) on the sampled tokens: how off-policy the batch is
+            "behaviour_kl": tmean(-log_ratio),
+            "advantage_mean": tmean(advantages),
+            "advantage_abs_mean": tmean(advantages.abs()),
+            "completion_len_mean_seq": float(tokens_per_seq.mean()) if num_seqs else 0.0,
+        }
+        if tis_cap is not None:
+            stats["tis_capped_frac"] = tmean((ratio > tis_cap).to(maskf.dtype))
+        if kl is not None:
+            stats["kl"] = tmean(kl)
+    return loss, stats

@@ -1,0 +1,245 @@
+"""The learner: owns the policy model and turns scored rollout groups into GRPO gradients.
+
+Owned here: ``GRPOConfig`` (every knob of the loss and of the micro-batching) and ``Learner``, which builds
+the batch, runs forward/backward over micro-batches with gradient accumulation and clips the gradient
+norm. Called by the trainer peer with groups drawn from ``buffer.ReplayBuffer``. Must not import hivemind
+or know about the network: the optimizer (a plain torch optimizer or ``hivemind.Optimizer``) is owned by
+the caller, which either calls ``optimizer.step()`` itself after ``compute_gradients`` or hands it to
+``step``. Works with any module whose ``model(input_ids, attention_mask=...)`` returns ``.logits``
+(a transformers causal LM) or a logits tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
+from echo_p2p.train.buffer import ScoredGroup
+from echo_p2p.train.grpo import LossAggregation, grpo_loss, token_logprobs
+
+
+class GRPOConfig(BaseModel):
+    """Hyper-parameters of the GRPO update (loss, advantages, micro-batching, optimizer defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(
+        default=1e-6,
+        gt=0,
+        description="Learning rate of the optimizer built by ``Learner.make_optimizer`` (AdamW). 1e-6 suits "
+        "0.1-7B pretrained LMs; the tiny test models learn at 1e-3..3e-3.",
+    )
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay of ``make_optimizer``.")
+    adam_betas: tuple[float, float] = Field(
+        default=(0.9, 0.99), description="AdamW betas of ``make_optimizer``."
+    )
+    clip_low: float = Field(
+        default=0.2, ge=0, description="PPO clip below: the ratio is clipped at ``1 - clip_low``."
+    )
+    clip_high: float = Field(
+        default=0.2,
+        ge=0,
+        description="PPO clip above: the ratio is clipped at ``1 + clip_high`` (DAPO's clip-higher: 0.28).",
+    )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="Async mode: truncate the importance ratio at this value on top of the clip (bounds the "
+        "A<0, large-ratio branch the clip leaves open), e.g. 2.0. None: off. See ``grpo``.",
+    )
+    kl_beta: float = Field(
+        default=0.0,
+        ge=0,
+        description="Coefficient of the k3 KL penalty to a reference policy; > 0 needs ``ref_model``.",
+    )
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="Temperature of the log-probs; MUST equal the inference peers' sampling temperature, "
+        "since the behaviour log-probs were computed at it.",
+    )
+    scale_rewards: bool = Field(
+        default=True,
+        description="Divide group-centred rewards by the group's std (GRPO). False: Dr. GRPO (centre only).",
+    )
+    adv_eps: float = Field(default=1e-6, gt=0, description="Added to the group std before dividing.")
+    loss_agg: LossAggregation = Field(
+        default="token_mean",
+        description="'token_mean' (DAPO: every completion token of the batch weighs the same) or "
+        "'seq_mean' (original GRPO: mean per completion, then mean over completions).",
+    )
+    micro_batch_size: int | None = Field(
+        default=8,
+        ge=1,
+        description="Most completions (rows) per forward/backward pass; None: no row limit.",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most padded tokens (rows x width) per forward/backward pass; None: no token limit.",
+    )
+    max_grad_norm: float | None = Field(
+        default=1.0,
+        gt=0,
+        description="Clip the total gradient norm to this after accumulation; None: no clipping (the norm "
+        "is still reported).",
+    )
+    pad_token_id: int = Field(
+        default=0, ge=0, description="Token id written in padding positions (never attended, never scored)."
+    )
+
+
+def _forward_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        kwargs["use_cache"] = False  # a transformers model: no KV cache in a training forward
+    out = model(input_ids, **kwargs)
+    return out.logits if hasattr(out, "logits") else out
+
+
+class Learner:
+    """Owns ``model`` (and an optional frozen ``ref_model`` for the KL term) and computes GRPO gradients.
+
+    ``compute_gradients`` leaves the accumulated, clipped gradient in ``model``'s ``.grad`` and does not
+    step; ``step`` does both with a given optimizer. The model's train/eval mode is left as it is: use a
+    model without dropout (or in eval mode), otherwise the ratios against the behaviour log-probs are noisy.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, config: GRPOConfig, ref_model: torch.nn.Module | None = None
+    ) -> None:
+        if config.kl_beta > 0 and ref_model is None:
+            raise ValueError("kl_beta > 0 needs a ref_model")
+        self.model = model
+        self.config = config
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """A plain AdamW over the model's trainable parameters with the config's lr, betas and decay."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        cfg = self.config
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+
+    def build_batch(self, groups: Sequence[ScoredGroup]) -> Batch:
+        cfg = self.config
+        return build_batch(
+            groups, pad_token_id=cfg.pad_token_id, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps
+        )
+
+    def compute_gradients(self, groups: Sequence[ScoredGroup], zero_grad: bool = True) -> dict[str, float]:
+        """Accumulate the GRPO gradient of ``groups`` into the model's ``.grad`` and clip its norm.
+
+        Each micro-batch loss is divided by the full batch's normaliser (its completion-token count for
+        ``token_mean``, its sequence count for ``seq_mean``), so the accumulated gradient equals the
+        gradient of the loss over the whole batch at once. ``zero_grad=False`` adds to existing gradients
+        (e.g. ``hivemind.Optimizer`` with ``reuse_grad_buffers=True``, which must own the zeroing).
+        Returns stats: ``loss``, ``grad_norm`` (before clipping), reward and advantage summaries and the
+        token-weighted means of ``grpo_loss``'s stats.
+        """
+        cfg = self.config
+        t0 = time.perf_counter()
+        if zero_grad:
+            self.model.zero_grad(set_to_none=True)
+        batch = self.build_batch(groups)
+        micro = split_micro_batches(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        normalizer = float(max(batch.num_tokens if cfg.loss_agg == "token_mean" else batch.num_sequences, 1))
+        device = self.device
+
+        total_loss = 0.0
+        parts: list[dict[str, float]] = []
+        for mb in micro:
+            mb = mb.to(device)
+            logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask)
+            logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
+            del logits
+            ref_logp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask)
+                    ref_logp = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
+                    del ref_logits
+            loss, mb_stats = grpo_loss(
+                logp,
+                mb.behaviour_logprobs,
+                mb.advantages,
+                mb.completion_mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                tis_cap=cfg.tis_cap,
+                ref_logprobs=ref_logp,
+                kl_beta=cfg.kl_beta,
+                agg=cfg.loss_agg,
+                normalizer=normalizer,
+            )
+            if loss.requires_grad:
+                loss.backward()
+            total_loss += float(loss.detach())
+            parts.append(mb_stats)
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = 0.0
+        if params:
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+        stats = _combine(parts)
+        stats.update(
+            loss=total_loss,
+            grad_norm=grad_norm,
+            num_groups=float(len(groups)),
+            num_micro_batches=float(len(micro)),
+            reward_mean=float(batch.rewards.mean()) if batch.num_sequences else 0.0,
+            reward_std=float(batch.rewards.std(unbiased=False)) if batch.num_sequences else 0.0,
+            frac_zero_adv_groups=_frac_zero_adv_groups(batch, len(groups)),
+            compute_s=time.perf_counter() - t0,
+        )
+        return stats
+
+    def step(
+        self, groups: Sequence[ScoredGroup], optimizer: torch.optim.Optimizer | Any, **step_kwargs: Any
+    ) -> dict[str, float]:
+        """``compute_gradients`` then ``optimizer.step(**step_kwargs)`` (e.g. ``batch_size=`` for
+        ``hivemind.Optimizer``). Gradients are zeroed at the start of the next ``compute_gradients``."""
+        stats = self.compute_gradients(groups)
+        optimizer.step(**step_kwargs)
+        return stats
+
+
+def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Merge per-micro-batch stats: token-weighted means, ``*_seq`` sequence-weighted, maxima, sums."""
+    if not parts:
+        return {"num_tokens": 0.0, "num_sequences": 0.0}
+    tokens = sum(p["num_tokens"] for p in parts)
+    seqs = sum(p["num_sequences"] for p in parts)
+    out = {"num_tokens": tokens, "num_sequences": seqs}
+    for key in parts[0]:
+        if key in out:
+            continue
+        if key.endswith("_max"):
+            out[key] = max(p[key] for p in parts)
+        elif key.endswith("_seq"):
+            out[key] = sum(p[key] * p["num_sequences"] for p in parts) / max(seqs, 1.0)
+        else:
+            out[key] = sum(p[key] * p["num_tokens"] for p in parts) / max(tokens, 1.0)
+    return out
+
+
+def _frac_zero_adv_groups(batch: Batch, num_groups: int) -> float:
+    """Fraction of groups whose rewards were all equal (zero advantage: no policy-gradient signal)."""
+    if num_groups == 0:
+        return 0.0
+    nonzero = torch.zeros(num_groups).index_add_(0, batch.group_index, (batch.seq_advantages != 0).float())
+    return float((nonzero == 0).float().mean())

@@ -1,0 +1,411 @@
+"""Weight codec: turns policy versions into manifests + chunks (publisher) and back into weights (receiver).
+
+Owned here: `EncodingConfig`; `WeightEncoder`, which keeps the error-feedback shadow of an int8-delta
+stream and decides keyframes; `VersionAssembler`, which collects verified chunks of one version and applies
+it, streaming chunk by chunk, only when every chunk is present; `PolicyWeights`, the weights a receiver
+holds together with their version and stream; and the model helpers `named_tensors` / `load_into_model`.
+Called by trainer peers (encode after each optimizer epoch) and inference peers (assemble, apply, load),
+with the networking layer moving manifests and chunks in between.
+Pure ML: must not import hivemind or do any networking. Does not sign manifests (the caller signs with
+`Manifest.sign`) and does not check who published one (the caller verifies the signature and trust first).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from echo_p2p.weights.manifest import (
+    ALLOWED_BLOCKSIZES,
+    DEFAULT_CHUNK_SIZE,
+    MAX_CHUNK_SIZE,
+    BaseVersionError,
+    ChunkInfo,
+    ChunkStore,
+    Encoding,
+    IncompleteVersionError,
+    Manifest,
+    NonFiniteError,
+    ParamInfo,
+    ParamMismatchError,
+    WeightsError,
+    payload_nbytes,
+    sha256_hex,
+)
+from echo_p2p.weights.quant import (
+    DTYPE_NAMES,
+    Chunker,
+    PayloadReader,
+    add_dequantized_,
+    as_bytes,
+    check_byteorder,
+    check_tensor,
+    decoded_dtype,
+    dequantize,
+    encode_float,
+    from_payload,
+    quantize_blockwise,
+    split_int8,
+)
+
+
+class EncodingConfig(BaseModel):
+    """How a trainer encodes the policy versions it publishes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    encoding: Encoding = Field(
+        default="int8-delta",
+        description="fp32 / bf16 / int8: one full snapshot per version; int8-delta: 8-bit deltas + keyframes",
+    )
+    chunk_size: int = Field(
+        default=DEFAULT_CHUNK_SIZE,
+        gt=0,
+        le=MAX_CHUNK_SIZE,
+        description="Chunk size in bytes (the last is shorter)",
+    )
+    keyframe_interval: int = Field(
+        default=10,
+        ge=1,
+        description="int8-delta: also publish an exact fp32 snapshot when version crosses a multiple of this",
+    )
+    blocksize: int = Field(default=4096, description="Elements per absmax block of the 8-bit encodings")
+    error_feedback: bool = Field(
+        default=True,
+        description="int8-delta: delta against the receivers' reconstruction (True) or the previous true "
+        "weights (False, drifts; for comparison only)",
+    )
+
+    @field_validator("blocksize")
+    @classmethod
+    def _check_blocksize(cls, v: int) -> int:
+        if v not in ALLOWED_BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {ALLOWED_BLOCKSIZES}")
+        return v
+
+
+@dataclass
+class PolicyWeights:
+    """Weights a receiver holds: the tensors of one version of one publisher's stream.
+
+    For an int8-delta stream the float tensors are float32 and must be kept as they are (the next delta
+    is added to them); load a cast copy into the model with `load_into_model`.
+    """
+
+    version: int
+    stream_id: str
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class EncodedVersion:
+    """One manifest (unsigned when the encoder returns it) and all of its chunks, ready to serve."""
+
+    manifest: Manifest
+    store: ChunkStore
+
+    def get_chunk(self, index: int) -> bytes:
+        return self.store.get(index)
+
+    @property
+    def is_keyframe(self) -> bool:
+        return self.manifest.is_keyframe
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.total_bytes
+
+
+class WeightEncoder:
+    """Publisher side: encodes successive policy versions of one trainer into manifests and chunks.
+
+    fp32 / bf16 / int8: every version is one full snapshot. int8-delta: the encoder keeps a float32
+    "shadow", the exact weights a receiver following the stream holds. Each version V is published as
+    ``quantize(new - shadow)`` with ``base_version`` = the previous published version, and the shadow is
+    advanced by the dequantized delta (error feedback), so quantization error never accumulates. When V
+    crosses a multiple of ``keyframe_interval`` it also publishes the shadow itself as an exact fp32 snapshot
+    (``base_version=None``): a newcomer starting there and following the deltas ends bit-identical to a
+    peer that followed every delta. The first version an encoder publishes is a keyframe only. Every
+    encoder instance is its own stream (`stream_id`); after an error the stream restarts with a keyframe.
+    """
+
+    def __init__(
+        self, config: EncodingConfig, *, run_id: str, publisher: str, publisher_key: bytes = b""
+    ) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.publisher = publisher
+        self.publisher_key = publisher_key
+        self._reset_stream()
+
+    def _reset_stream(self) -> None:
+        self.stream_id = uuid.uuid4().hex[:16]
+        self._shadow: dict[str, torch.Tensor] | None = None
+        self._infos: list[ParamInfo] | None = None
+        self._last_keyframe: int | None = None
+        self.last_version: int | None = None
+
+    def reset(self) -> None:
+        """Forget the shadow and start a new stream: the next version is a keyframe only."""
+        self._reset_stream()
+
+    def encode(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        created_at: float | None = None,
+    ) -> list[EncodedVersion]:
+        """Encode version `version` of the weights; returns [delta] or [delta, keyframe] or [snapshot].
+
+        `named_tensors` (e.g. `named_tensors(model)`) is read once and must not change during the call.
+        Versions must increase. Raises `NonFiniteError` on NaN/inf and `ParamMismatchError` when the
+        tensors differ in names, shapes or dtypes from the stream's previous version.
+        """
+        check_byteorder()
+        items = [(name, t.detach()) for name, t in named_tensors]
+        infos = [_param_info(name, t) for name, t in items]
+        if self.last_version is not None and version <= self.last_version:
+            raise WeightsError(
+                f"version {version} is not after the last published version {self.last_version}"
+            )
+        for name, t in items:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise NonFiniteError(f"{name} has NaN or inf values")
+        created = time.time() if created_at is None else float(created_at)
+        cfg = self.config
+        if cfg.encoding != "int8-delta":
+            pieces = (p for _, t in items for p in _snapshot_pieces(t, cfg.encoding, cfg.blocksize))
+            out = [self._build(infos, version, None, cfg.encoding, pieces, created)]
+            self.last_version = version
+            return out
+        if self._infos is not None and infos != self._infos:
+            raise ParamMismatchError("tensor names, shapes or dtypes changed within a stream")
+        try:
+            out = []
+            if self._shadow is None:
+                self._shadow = {name: _fp32_copy(t) for name, t in items}
+                keyframe = True
+            else:
+                pieces = self._delta_pieces(items)
+                out.append(self._build(infos, version, self.last_version, "int8-delta", pieces, created))
+                assert self._last_keyframe is not None
+                keyframe = version // cfg.keyframe_interval > self._last_keyframe // cfg.keyframe_interval
+            if keyframe:
+                pieces = (
+                    p for t in self._shadow.values() for p in _snapshot_pieces(t, "fp32", cfg.blocksize)
+                )
+                out.append(self._build(infos, version, None, "fp32", pieces, created))
+                self._last_keyframe = version
+        except BaseException:
+            self._reset_stream()  # the shadow may be half-advanced: receivers can no longer match it
+            raise
+        self._infos = infos
+        self.last_version = version
+        return out
+
+    def _delta_pieces(self, items: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview]:
+        """Payload of a delta version; advances the shadow param by param as the pieces are consumed."""
+        assert self._shadow is not None
+        blocksize = self.config.blocksize
+        for name, t in items:
+            ref = self._shadow[name].view(-1)
+            if not t.is_floating_point():  # raw, full value
+                ref.copy_(t.reshape(-1))
+                yield as_bytes(ref)
+                continue
+            if t.numel() == 0:
+                continue
+            new = t.to("cpu", torch.float32).reshape(-1)
+            absmax, codes = quantize_blockwise(new - ref, blocksize)
+            yield as_bytes(absmax)
+            yield as_bytes(codes)
+            if self.config.error_feedback:
+                add_dequantized_(ref, absmax, codes, blocksize)
+            else:
+                ref.copy_(new)
+
+    def _build(
+        self,
+        infos: list[ParamInfo],
+        version: int,
+        base_version: int | None,
+        encoding: str,
+        pieces: Iterable[memoryview],
+        created_at: float,
+    ) -> EncodedVersion:
+        chunker = Chunker(self.config.chunk_size)
+        for piece in pieces:
+            chunker.write(piece)
+        chunks = chunker.finish()
+        manifest = Manifest(
+            run_id=self.run_id,
+            version=version,
+            base_version=base_version,
+            stream_id=self.stream_id,
+            encoding=encoding,
+            blocksize=self.config.blocksize,
+            chunk_size=self.config.chunk_size,
+            params=infos,
+            chunks=[ChunkInfo(index=i, size=len(c), sha256=sha256_hex(c)) for i, c in enumerate(chunks)],
+            total_bytes=sum(len(c) for c in chunks),
+            publisher=self.publisher,
+            publisher_key=self.publisher_key,
+            created_at=created_at,
+        )
+        return EncodedVersion(manifest=manifest, store=ChunkStore.complete(manifest, chunks))
+
+
+class VersionAssembler:
+    """Receiver side: the chunks of one version, verified on arrival, applied once all are present.
+
+    Create it only for a manifest whose signature and publisher the caller has already checked.
+    """
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.store = ChunkStore(manifest)
+
+    def add_chunk(self, index: int, data: bytes | bytearray | memoryview) -> bool:
+        """Verify and keep chunk `index` (True if new). Raises a `ChunkError` subclass and keeps nothing."""
+        return self.store.put(index, data)
+
+    def missing(self) -> list[int]:
+        return self.store.missing()
+
+    def is_complete(self) -> bool:
+        return self.store.is_complete()
+
+    def apply(self, current: PolicyWeights | None = None, *, inplace: bool = False) -> PolicyWeights:
+        """Decode the version, streaming through the chunks in order, and return its weights.
+
+        A delta needs `current` at ``manifest.base_version`` of the same stream (`BaseVersionError`
+        otherwise). Names, shapes and dtypes of `current` are checked before anything is decoded
+        (`ParamMismatchError`). With ``inplace=False`` (default) `current` is left untouched and new
+        tensors are returned (one staging copy); with ``inplace=True`` `current`'s tensors are updated and
+        reused (no second copy; the caller must make sure nobody reads them meanwhile).
+        """
+        m = self.manifest
+        if not self.is_complete():
+            raise IncompleteVersionError(f"version {m.version}: {len(self.missing())} chunks missing")
+        check_byteorder()
+        is_delta = m.base_version is not None
+        if is_delta:
+            if current is None:
+                raise BaseVersionError(
+                    f"version {m.version} is a delta: it needs the weights of {m.base_version}"
+                )
+            if current.stream_id != m.stream_id or current.version != m.base_version:
+                raise BaseVersionError(
+                    f"delta {m.version} applies to version {m.base_version} of stream {m.stream_id}, "
+                    f"not to version {current.version} of stream {current.stream_id}"
+                )
+        use_current = current is not None and (is_delta or inplace)
+        if use_current:
+            assert current is not None
+            self._check_current(current, contiguous=inplace)
+        reader = PayloadReader(self.store)
+        out: dict[str, torch.Tensor] = {}
+        bs = m.blocksize
+        for info in m.params:
+            buf = reader.read(payload_nbytes(info, m.encoding, bs))
+            dtype, n = decoded_dtype(info, m.encoding), info.numel
+            if not info.is_float or m.encoding in ("fp32", "bf16"):
+                new = from_payload(buf, dtype, n)
+            elif is_delta:
+                assert current is not None
+                base = current.tensors[info.name]
+                target = base if inplace else base.detach().clone(memory_format=torch.contiguous_format)
+                if n:
+                    absmax, codes = split_int8(buf, n, bs)
+                    add_dequantized_(target.view(-1), absmax, codes, bs)
+                out[info.name] = target
+                continue
+            else:
+                new = dequantize(*split_int8(buf, n, bs), bs) if n else torch.empty(0, dtype=dtype)
+            new = new.view(info.shape)
+            if use_current and inplace:
+                assert current is not None
+                current.tensors[info.name].copy_(new)
+                out[info.name] = current.tensors[info.name]
+            else:
+                out[info.name] = new
+        return PolicyWeights(version=m.version, stream_id=m.stream_id, tensors=out)
+
+    def _check_current(self, current: PolicyWeights, *, contiguous: bool) -> None:
+        m = self.manifest
+        names = [p.name for p in m.params]
+        if set(current.tensors) != set(names):
+            missing = sorted(set(names) - set(current.tensors))[:5]
+            extra = sorted(set(current.tensors) - set(names))[:5]
+            raise ParamMismatchError(
+                f"current weights differ from the manifest: missing {missing}, extra {extra}"
+            )
+        for info in m.params:
+            t = current.tensors[info.name]
+            check_tensor(info.name, t, info.shape, decoded_dtype(info, m.encoding))
+            if contiguous and not t.is_contiguous():
+                raise ParamMismatchError(f"{info.name}: in-place apply needs contiguous tensors")
+
+
+def _param_info(name: str, t: torch.Tensor) -> ParamInfo:
+    if t.dtype not in DTYPE_NAMES:
+        raise ParamMismatchError(f"{name}: dtype {t.dtype} cannot be published")
+    return ParamInfo(name=name, shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype])
+
+
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy: float32 for float tensors (the shadow's precision), own dtype otherwise."""
+    dtype = torch.float32 if t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, dtype=dtype).copy_(t)
+
+
+def _snapshot_pieces(t: torch.Tensor, encoding: str, blocksize: int) -> Iterator[memoryview]:
+    if not t.is_floating_point():
+        yield as_bytes(t.to("cpu"))
+    else:
+        yield from encode_float(t, encoding, blocksize)
+
+
+def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors to publish for `model`: its state dict (parameters and persistent buffers), detached.
+
+    A tensor that several names share (tied input/output embeddings) is listed once, under its first
+    state-dict name; `load_into_model` writes it back through that name, which updates every alias.
+    """
+    seen: set[tuple] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t.numel():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append((name, t.detach()))
+    return out
+
+
+def load_into_model(model: torch.nn.Module, weights: PolicyWeights | Mapping[str, torch.Tensor]) -> None:
+    """Copy `weights` into `model` (cast to each tensor's dtype and device) under ``torch.no_grad()``.
+
+    The names must be exactly those of `named_tensors(model)`; shapes are checked before anything is copied.
+    """
+    tensors = weights.tensors if isinstance(weights, PolicyWeights) else weights
+    targets = dict(named_tensors(model))
+    if set(targets) != set(tensors):
+        missing = sorted(set(targets) - set(tensors))[:5]
+        extra = sorted(set(tensors) - set(targets))[:5]
+        raise ParamMismatchError(f"weights do not match the model: missing {missing}, extra {extra}")
+    for name, t in targets.items():
+        if t.shape != tensors[name].shape:
+            raise ParamMismatchError(
+                f"{name}: model shape {list(t.shape)}, weights {list(tensors[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, t in targets.items():
+            t.copy_(tensors[name])

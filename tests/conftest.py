@@ -1,0 +1,125 @@
+"""Shared test fixtures: subprocesses in their own process groups, cleaned up by group id, never by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class Procs:
+    """Starts echo_p2p CLIs as subprocesses, each in its own session, and kills only those groups."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+        self._n = 0
+
+    def start(
+        self, *args: str, env: dict[str, str] | None = None, name: str | None = None
+    ) -> subprocess.Popen:
+        self._n += 1
+        log = self.workdir / f"{name or 'proc'}-{self._n}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=str(self.workdir),
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+        proc.log_path = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def bootstrap(self, *extra: str, identity: str | None = None) -> tuple[subprocess.Popen, str]:
+        maddrs_file = self.workdir / f"bootstrap-{self._n + 1}.maddrs"
+        args = ["-m", "echo_p2p.bootstrap", "--host-maddrs", LOOPBACK, "--maddrs-file", str(maddrs_file)]
+        if identity:
+            args += ["--identity-path", identity]
+        proc = self.start(*args, *extra, name="bootstrap")
+        wait_until(lambda: maddrs_file.exists() or proc.poll() is not None, 60, what="bootstrap start")
+        assert proc.poll() is None, f"bootstrap exited: {read_log(proc)}"
+        return proc, maddrs_file.read_text().split()[0]
+
+    def peer(self, role: str, run_id: str, maddr: str, *extra: str) -> subprocess.Popen:
+        return self.start(
+            "-m",
+            "echo_p2p.peer",
+            "--role",
+            role,
+            "--run-id",
+            run_id,
+            "--initial-peers",
+            maddr,
+            "--host-maddrs",
+            LOOPBACK,
+            *extra,
+            name=role,
+        )
+
+    def kill_group(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill_group(proc, signal.SIGKILL)  # whatever is left of the group (p2pd, DHT child)
+
+
+def read_log(proc: subprocess.Popen) -> str:
+    return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def wait_until(predicate, timeout: float, period: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(period)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.cleanup()

@@ -1,0 +1,136 @@
+"""Signed, schema-checked directory records between real DHT nodes on 127.0.0.1 (in-process)."""
+
+from __future__ import annotations
+
+import logging
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+from echo_p2p.config import NetworkConfig
+from echo_p2p.net.directory import SwarmDirectory
+from echo_p2p.net.identity import load_or_create_identity
+from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.net.node import start_dht, stop_dht
+from echo_p2p.net.records import PeerRecord
+
+pytestmark = pytest.mark.timeout(120)
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class ForgingValidator(RecordValidatorBase):
+    """An attacker's node: signs every record with its own key, whatever owner the subkey names."""
+
+    def __init__(self, attacker_key):
+        self.key = attacker_key
+
+    def validate(self, record) -> bool:
+        return True
+
+    def sign_value(self, record) -> bytes:
+        import dataclasses
+
+        from hivemind.utils import MSGPackSerializer
+
+        signature = self.key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
+        return record.value + b"[signature:" + signature + b"]"
+
+    def strip_value(self, record) -> bytes:
+        return RSASignatureValidator._SIGNATURE_RE.sub(b"", record.value)
+
+
+@pytest.fixture
+def swarm():
+    keys = SwarmKeys("sec")
+    started = []
+
+    def honest(initial_peers=()):
+        ident = load_or_create_identity(None)
+        dht = start_dht(NetworkConfig(initial_peers=list(initial_peers), host_maddrs=LOOP), ident, [keys])
+        started.append((dht, ident))
+        return dht, ident, SwarmDirectory(dht, keys, ident, request_timeout=10)
+
+    yield keys, honest, started
+    for dht, ident in started:
+        stop_dht(dht)
+        ident.cleanup()
+
+
+def maddrs(dht):
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+def test_forged_record_for_someone_elses_subkey_is_rejected(swarm):
+    keys, honest, started = swarm
+    boot, _, _ = honest()
+    victim_dht, victim, victim_dir = honest(maddrs(boot))
+    reader_dht, _, reader_dir = honest(maddrs(boot))
+    assert victim_dir.announce(PeerRecord(peer_id=victim.peer_id, role="trainer"), ttl=60)
+
+    attacker_ident = load_or_create_identity(None)
+    attacker = hivemind.DHT(
+        start=True,
+        host_maddrs=LOOP,
+        initial_peers=maddrs(boot),
+        record_validators=[ForgingValidator(attacker_ident.private_key)],
+    )
+    started.append((attacker, attacker_ident))
+    forged = PeerRecord(peer_id=victim.peer_id, role="inference", state="leaving").to_wire()
+    # every honest node refuses to store it (the attacker's own node keeps a copy, which it serves)
+    attacker.store(keys.peers, forged, get_dht_time() + 60, subkey=victim.owner_key)
+
+    for directory in (reader_dir, victim_dir):
+        records = {e.record.peer_id: e.record for e in directory.peers()}
+        assert records[victim.peer_id].role == "trainer"
+        assert records[victim.peer_id].state == "running"
+
+
+def test_record_whose_peer_id_does_not_match_its_signing_key_is_dropped(swarm):
+    keys, honest, _ = swarm
+    boot, _, _ = honest()
+    _, victim, _ = honest(maddrs(boot))
+    _, liar, liar_dir = honest(maddrs(boot))
+    _, _, reader_dir = honest(maddrs(boot))
+    # correctly signed by the liar's own key, but claiming to be the victim
+    assert liar_dir.announce(PeerRecord(peer_id=victim.peer_id, role="trainer"), ttl=60)
+    assert reader_dir.peers() == []
+    assert reader_dir.rejected["peer_id_mismatch"] == 1
+
+
+def test_malformed_record_is_refused_by_honest_nodes_and_never_crashes_a_reader(swarm):
+    keys, honest, started = swarm
+    boot, _, _ = honest()
+    _, _, reader_dir = honest(maddrs(boot))
+    rogue_ident = load_or_create_identity(None)
+    rogue = hivemind.DHT(
+        start=True,
+        host_maddrs=LOOP,
+        initial_peers=maddrs(boot),
+        record_validators=[RSASignatureValidator(rogue_ident.private_key)],
+    )
+    started.append((rogue, rogue_ident))
+    bad = {"protocol": 1, "peer_id": rogue_ident.peer_id, "role": "emperor", "policy_version": "many"}
+    rogue.store(keys.peers, bad, get_dht_time() + 60, subkey=rogue_ident.owner_key)
+    rogue.store(keys.peers, b"\xff not even a map", get_dht_time() + 60, subkey=rogue_ident.owner_key)
+    assert reader_dir.peers() == []
+
+
+def test_record_of_another_protocol_version_is_ignored_with_one_log_line(swarm, caplog):
+    keys, honest, _ = swarm
+    boot, _, _ = honest()
+    _, future_peer, future_dir = honest(maddrs(boot))
+    _, _, reader_dir = honest(maddrs(boot))
+    newer = {"protocol": 2, "peer_id": future_peer.peer_id, "role": "trainer", "shiny_new_field": True}
+    from hivemind.utils import get_dht_time as now
+
+    stored = future_dir.dht.store(keys.peers, newer, now() + 60, subkey=future_peer.owner_key)
+    assert stored  # records of another protocol version pass the DHT schema: they are that version's business
+    with caplog.at_level(logging.INFO, logger="echo_p2p"):
+        assert reader_dir.peers() == []
+        assert reader_dir.peers() == []
+    lines = [r for r in caplog.records if "protocol version 2" in r.getMessage()]
+    assert len(lines) == 1
+    assert reader_dir.rejected["other_protocol"] == 2

@@ -1,0 +1,105 @@
+import subprocess
+import sys
+
+import pytest
+
+from echo_p2p.config import BootstrapConfig, ConfigError, PeerConfig, build_config, env_overrides
+
+MADDR = "/ip4/127.0.0.1/tcp/4000/p2p/QmVBs4rtbHeMREzjEUBfqKvRsHfvPFy9RFAZMr9K23gFyb"
+MADDR2 = "/ip4/127.0.0.1/tcp/4001/p2p/QmVBs4rtbHeMREzjEUBfqKvRsHfvPFy9RFAZMr9K23gFyb"
+
+
+def test_precedence_defaults_yaml_env_flags(tmp_path):
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text(
+        f"role: trainer\nrun_id: from-yaml\nheartbeat_period: 2\nnetwork:\n  initial_peers: [{MADDR}]\n"
+    )
+    c = build_config(PeerConfig, yaml_path=str(cfg), environ={})
+    assert (c.role, c.run_id, c.heartbeat_period, c.record_ttl) == ("trainer", "from-yaml", 2.0, 6.0)
+    c = build_config(
+        PeerConfig, yaml_path=str(cfg), environ={"ECHO_RUN_ID": "from-env", "ECHO_INITIAL_PEERS": MADDR2}
+    )
+    assert c.run_id == "from-env" and c.network.initial_peers == [MADDR2]
+    c = build_config(
+        PeerConfig, yaml_path=str(cfg), environ={"ECHO_RUN_ID": "from-env"}, flags={"run_id": "flag"}
+    )
+    assert c.run_id == "flag"
+
+
+def test_env_lists_split_on_commas_and_spaces():
+    assert env_overrides({"ECHO_INITIAL_PEERS": f"{MADDR}, {MADDR2}"}) == {
+        "network.initial_peers": [MADDR, MADDR2]
+    }
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        ({"role": "wizard"}, "role"),
+        ({"run_id": "bad id"}, "run_id"),
+        ({"network.initial_peers": ["/ip4/1.2.3.4/tcp/5"]}, "network.initial_peers"),
+        ({"network.initial_peers": ["not-a-maddr"]}, "network.initial_peers"),
+        ({"network.host_maddrs": ["/ip4/999.1.1.1/tcp/1"]}, "network.host_maddrs"),
+        ({"heartbeat_period": -1}, "heartbeat_period"),
+        ({"record_ttl": 1.0, "heartbeat_period": 5.0}, "record_ttl"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_invalid_fields_are_named(flags, field):
+    base = {"role": "trainer", "run_id": "r", "network.initial_peers": [MADDR]}
+    with pytest.raises(ConfigError) as info:
+        build_config(PeerConfig, environ={}, flags=base | flags)
+    assert field.split(".")[-1] in str(info.value)
+
+
+def test_peer_needs_initial_peers():
+    with pytest.raises(ConfigError, match="initial_peers"):
+        build_config(PeerConfig, environ={}, flags={"role": "trainer", "run_id": "r"})
+
+
+def test_bootstrap_defaults_to_public_port_on_all_interfaces():
+    c = build_config(BootstrapConfig, environ={})
+    assert c.network.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]
+
+
+def test_yaml_errors_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("role: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        build_config(PeerConfig, yaml_path=str(bad), environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        build_config(PeerConfig, yaml_path=str(tmp_path / "missing.yaml"), environ={})
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_cli_bad_flag_value_exits_2_naming_the_field_before_any_network_start():
+    r = _run("-m", "echo_p2p.peer", "--role", "trainer", "--run-id", "bad id", "--initial-peers", MADDR)
+    assert r.returncode == 2
+    assert "run_id" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_missing_initial_peers_exits_2():
+    r = _run("-m", "echo_p2p.peer", "--role", "inference", "--run-id", "r")
+    assert r.returncode == 2 and "initial-peers" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "module", ["echo_p2p.peer", "echo_p2p.bootstrap", "echo_p2p.swarm", "echo_p2p.local"]
+)
+def test_help_is_instant_and_imports_no_torch_or_hivemind(module):
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['{module}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('{module}', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('torch', 'hivemind', 'transformers') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    r = _run("-c", code)
+    assert "usage:" in r.stdout
+    assert "HEAVY []" in r.stdout, r.stdout[-500:]

@@ -1,0 +1,25 @@
+import pytest
+
+from echo_p2p.net.keys import SwarmKeys, validate_run_id
+
+
+def test_keys_carry_protocol_version_and_run_id():
+    keys = SwarmKeys("my-run.1")
+    assert keys.peers == "echo/v1/my-run.1/peers"
+    assert keys.policy == "echo/v1/my-run.1/policy"
+    assert keys.providers == "echo/v1/my-run.1/providers"
+    assert set(keys.all_keys().values()) == {keys.peers, keys.policy, keys.providers}
+
+
+def test_two_runs_and_two_protocols_never_share_a_key():
+    a, b, a2 = SwarmKeys("a"), SwarmKeys("b"), SwarmKeys("a", protocol=2)
+    assert not set(a.all_keys().values()) & set(b.all_keys().values())
+    assert not set(a.all_keys().values()) & set(a2.all_keys().values())
+
+
+@pytest.mark.parametrize("bad", ["", "with space", "a/b", "-lead", "x" * 65, "ü"])
+def test_invalid_run_ids_are_refused(bad):
+    with pytest.raises(ValueError, match="invalid run id"):
+        validate_run_id(bad)
+    with pytest.raises(ValueError):
+        SwarmKeys(bad)

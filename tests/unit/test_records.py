@@ -1,0 +1,67 @@
+import pytest
+
+from echo_p2p import PROTOCOL_VERSION
+from echo_p2p.net.records import OtherProtocolError, PeerRecord, ProviderRecord, RecordError, _value_type
+
+
+def test_peer_record_round_trip():
+    rec = PeerRecord(
+        peer_id="QmX",
+        role="inference",
+        policy_version=3,
+        maddrs=["/ip4/127.0.0.1/tcp/1/p2p/QmX"],
+        tokens_per_second=12.5,
+    )
+    wire = rec.to_wire()
+    assert wire["protocol"] == PROTOCOL_VERSION
+    assert PeerRecord.from_wire(wire) == rec
+
+
+def test_unknown_fields_are_ignored():
+    wire = PeerRecord(peer_id="QmX", role="trainer").to_wire() | {"new_field_from_the_future": [1, 2]}
+    assert PeerRecord.from_wire(wire).peer_id == "QmX"
+
+
+def test_other_protocol_version_is_a_distinct_error():
+    wire = PeerRecord(peer_id="QmX", role="trainer").to_wire() | {
+        "protocol": PROTOCOL_VERSION + 1,
+        "role": "?",
+    }
+    with pytest.raises(OtherProtocolError) as info:
+        PeerRecord.from_wire(wire)
+    assert info.value.protocol == PROTOCOL_VERSION + 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        [1, 2],
+        b"bytes",
+        {"role": "trainer", "peer_id": "QmX"},  # no protocol
+        {"protocol": "1", "role": "trainer", "peer_id": "QmX"},  # protocol not an int
+        {"protocol": 1, "role": "emperor", "peer_id": "QmX"},
+        {"protocol": 1, "role": "trainer"},  # no peer id
+        {"protocol": 1, "role": "trainer", "peer_id": "QmX", "policy_version": -1},
+        {"protocol": 1, "role": "trainer", "peer_id": "QmX", "maddrs": ["a"] * 100},
+        {"protocol": 1, "role": "trainer", "peer_id": "x" * 1000},
+    ],
+)
+def test_malformed_records_raise_record_error(value):
+    with pytest.raises(RecordError):
+        PeerRecord.from_wire(value)
+
+
+def test_provider_record_round_trip():
+    rec = ProviderRecord(peer_id="QmY", versions=[4, 5], encodings=["int8-delta"])
+    assert ProviderRecord.from_wire(rec.to_wire()) == rec
+
+
+def test_dht_schema_type_accepts_valid_and_future_records_unchanged_and_refuses_malformed():
+    typ = _value_type(PeerRecord)
+    good = PeerRecord(peer_id="QmX", role="trainer").to_wire() | {"extra": 1}
+    assert typ.validate(good) is good  # hivemind refuses any conversion: the raw map must come back
+    future = {"protocol": PROTOCOL_VERSION + 1, "anything": "goes"}
+    assert typ.validate(future) is future
+    with pytest.raises(ValueError):
+        typ.validate({"protocol": 1, "role": "nope", "peer_id": "QmX"})

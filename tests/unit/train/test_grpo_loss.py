@@ -1,0 +1,162 @@
+"""grpo.py: advantages, log-probs, the clipped objective and the KL term against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from echo_p2p.train.grpo import group_advantages, grpo_loss, token_logprobs
+
+
+def test_advantages_match_hand_computed() -> None:
+    std = math.sqrt(1.25)
+    expected = [-1.5 / std, -0.5 / std, 0.5 / std, 1.5 / std]
+    assert group_advantages([1, 2, 3, 4], eps=0.0) == pytest.approx(expected, abs=1e-12)
+    assert group_advantages([0.0, 1.0]) == pytest.approx([-1.0, 1.0], abs=1e-5)
+    assert group_advantages([1, 2, 3, 4], scale_rewards=False) == pytest.approx([-1.5, -0.5, 0.5, 1.5])
+
+
+def test_all_equal_rewards_give_exact_zero_advantages() -> None:
+    for rewards in ([0.7, 0.7, 0.7, 0.7], [0.0, 0.0], [1.0], [0.1] * 16):
+        for scale in (True, False):
+            adv = group_advantages(rewards, scale_rewards=scale)
+            assert adv == [0.0] * len(rewards)
+            assert not any(math.isnan(a) for a in adv)
+    assert group_advantages([]) == []
+
+
+def test_token_logprobs_align_with_input_ids_and_use_temperature() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    for temp in (1.0, 0.7):
+        out = token_logprobs(logits, ids, temperature=temp)
+        ref = torch.log_softmax(logits / temp, dim=-1)
+        assert out.shape == ids.shape
+        assert torch.all(out[:, 0] == 0)
+        for t in range(1, 5):
+            expected = ref[torch.arange(2), t - 1, ids[:, t]]
+            torch.testing.assert_close(out[:, t], expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError):
+        token_logprobs(logits, ids, temperature=0.0)
+
+
+# One row, position 0 is the prompt; five completion tokens cover every branch of the clip.
+_RATIOS = [1.0, 1.1, 1.5, 0.5, 1.5, 0.5]
+_ADV = [0.0, 1.0, 1.0, -1.0, -1.0, 2.0]
+#  t1 r=1.1 A=+1: inside the clip      obj  1.1  d obj/d logp = r*A = 1.1
+#  t2 r=1.5 A=+1: clipped high         obj  1.2  grad 0
+#  t3 r=0.5 A=-1: clipped low          obj -0.8  grad 0
+#  t4 r=1.5 A=-1: unclipped branch     obj -1.5  grad -1.5
+#  t5 r=0.5 A=+2: unclipped branch     obj  1.0  grad 1.0
+
+
+def _tiny_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5, -1.2, -0.3, -2.5]])
+    logp = (behaviour + torch.log(torch.tensor([_RATIOS]))).requires_grad_(True)
+    mask = torch.tensor([[0.0, 1, 1, 1, 1, 1]])
+    return logp, behaviour, torch.tensor([_ADV]), mask
+
+
+def test_clipped_objective_matches_hand_computed() -> None:
+    logp, behaviour, adv, mask = _tiny_case()
+    loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx(-(1.1 + 1.2 - 0.8 - 1.5 + 1.0) / 5, abs=1e-6)
+    loss.backward()
+    expected_grad = torch.tensor([[0.0, -1.1, 0.0, 0.0, 1.5, -1.0]]) / 5
+    torch.testing.assert_close(logp.grad, expected_grad, atol=1e-6, rtol=0)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)
+    assert stats["clip_frac_high"] == pytest.approx(1 / 5)
+    assert stats["clip_frac_low"] == pytest.approx(1 / 5)
+    assert stats["ratio_mean"] == pytest.approx(sum(_RATIOS[1:]) / 5, abs=1e-6)
+    assert stats["ratio_max"] == pytest.approx(1.5, abs=1e-6)
+    assert stats["num_tokens"] == 5
+
+
+def test_truncated_ratio_caps_value_and_gradient_on_top_of_clip() -> None:
+    logp, behaviour, adv, mask = _tiny_case()
+    loss, stats = grpo_loss(logp, behaviour, adv, mask, tis_cap=1.3)
+    # t4 now uses min(1.5, 1.3): obj -1.3, grad -1.3; t2 stays clipped at 1.2
+    assert loss.item() == pytest.approx(-(1.1 + 1.2 - 0.8 - 1.3 + 1.0) / 5, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[0.0, -1.1, 0.0, 0.0, 1.3, -1.0]]) / 5, atol=1e-6, rtol=0
+    )
+    assert stats["tis_capped_frac"] == pytest.approx(2 / 5)
+
+
+def test_huge_negative_advantage_ratio_stays_finite_with_cap() -> None:
+    behaviour = torch.tensor([[0.0, -30.0]])
+    logp = torch.tensor([[0.0, -0.01]], requires_grad=True)  # ratio ~ e^30
+    loss, _ = grpo_loss(logp, behaviour, torch.tensor([-1.0]), torch.tensor([[0.0, 1.0]]), tis_cap=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(2.0, abs=1e-4)
+    assert logp.grad[0, 1].item() == pytest.approx(2.0, abs=1e-4)
+
+
+def test_seq_mean_aggregation_and_normalizer() -> None:
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5, -1.2], [-1.0, -0.3, -2.5, 0.0]])
+    ratios = torch.tensor([[1.0, 1.1, 1.5, 0.5], [1.0, 1.5, 0.5, 1.0]])
+    logp = behaviour + torch.log(ratios)
+    adv = torch.tensor([1.0, -1.0])  # per sequence
+    mask = torch.tensor([[0.0, 1, 1, 1], [0.0, 1, 0, 0]])  # row 2: one completion token, then padding
+    # row 1: (1.1 + 1.2 + min(0.5, 0.8)=0.5) / 3 ; row 2: min(-1.5, -1.2) = -1.5
+    loss, _ = grpo_loss(logp, behaviour, adv, mask, agg="seq_mean")
+    expected = -((1.1 + 1.2 + 0.5) / 3 + (-1.5)) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    loss_n, _ = grpo_loss(logp, behaviour, adv, mask, agg="seq_mean", normalizer=8.0)
+    assert loss_n.item() == pytest.approx(expected * 2 / 8, abs=1e-6)
+    loss_t, _ = grpo_loss(logp, behaviour, adv, mask, agg="token_mean")
+    assert loss_t.item() == pytest.approx(-(1.1 + 1.2 + 0.5 - 1.5) / 4, abs=1e-6)
+
+
+def test_masked_positions_never_change_loss_or_gradient() -> None:
+    torch.manual_seed(0)
+    base_logp = -torch.rand(3, 6) * 3
+    behaviour = -torch.rand(3, 6) * 3
+    adv = torch.randn(3, 6)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.float32)
+    ref = -torch.rand(3, 6) * 3
+
+    def run(logp_v, behaviour_v, adv_v, ref_v):
+        logp = logp_v.clone().requires_grad_(True)
+        loss, _ = grpo_loss(logp, behaviour_v, adv_v, mask, ref_logprobs=ref_v, kl_beta=0.1, tis_cap=3.0)
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    loss_a, grad_a = run(base_logp, behaviour, adv, ref)
+    off = mask == 0
+    garbage = torch.where(off, torch.full_like(behaviour, 1e4), behaviour)
+    neg_garbage = torch.where(off, torch.full_like(behaviour, -1e4), behaviour)
+    for b in (garbage, neg_garbage):
+        loss_b, grad_b = run(
+            torch.where(off, torch.full_like(base_logp, -50.0), base_logp),
+            b,
+            torch.where(off, torch.full_like(adv, 123.0), adv),
+            torch.where(off, torch.full_like(ref, 40.0), ref),
+        )
+        assert torch.isfinite(loss_b)
+        torch.testing.assert_close(loss_b, loss_a)
+        torch.testing.assert_close(grad_b[~off], grad_a[~off])
+        assert torch.all(grad_b[off] == 0)
+
+
+def test_k3_kl_is_zero_for_identical_policies_and_hand_computed_otherwise() -> None:
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    adv = torch.zeros(1)
+    loss, stats = grpo_loss(logp, logp.detach(), adv, mask, ref_logprobs=logp.detach().clone(), kl_beta=0.5)
+    assert stats["kl"] == 0.0
+    loss.backward()
+    assert torch.all(logp.grad == 0)
+    ref = torch.tensor([[0.0, -0.5, -2.0]])  # d = ref - logp = 0.5 on token 1, 0 on token 2
+    _, stats = grpo_loss(logp.detach(), logp.detach(), adv, mask, ref_logprobs=ref, kl_beta=0.5)
+    assert stats["kl"] == pytest.approx((math.exp(0.5) - 0.5 - 1) / 2, abs=1e-6)
+
+
+def test_kl_beta_without_reference_is_an_error() -> None:
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError):
+        grpo_loss(x, x, torch.zeros(1), torch.ones(1, 2), kl_beta=0.1)

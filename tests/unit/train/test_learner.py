@@ -1,0 +1,165 @@
+"""learner.py: gradient accumulation equals the full batch, masks, KL at the reference, on-policy ratios."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from echo_p2p.rollout import Completion, RolloutGroup
+from echo_p2p.train.buffer import ScoredGroup
+from echo_p2p.train.learner import GRPOConfig, Learner
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_micro_batch_accumulation_equals_full_batch(tiny_model, random_groups, agg) -> None:
+    model = tiny_model()
+    groups = random_groups(num_groups=4, group_size=3, seed=1)
+    base = dict(loss_agg=agg, max_grad_norm=None, tis_cap=2.0)
+    full = Learner(model, GRPOConfig(micro_batch_size=None, **base)).compute_gradients(groups)
+    g_full = _grads(model)
+    assert full["num_micro_batches"] == 1
+    for extra in (
+        dict(micro_batch_size=1),
+        dict(micro_batch_size=5),
+        dict(micro_batch_size=None, max_tokens_per_micro_batch=20),
+    ):
+        stats = Learner(model, GRPOConfig(**base, **extra)).compute_gradients(groups)
+        assert stats["num_micro_batches"] > 1
+        assert stats["loss"] == pytest.approx(full["loss"], abs=1e-5)
+        assert stats["ratio_mean"] == pytest.approx(full["ratio_mean"], abs=1e-5)
+        _assert_same_grads(_grads(model), g_full)
+
+
+def test_padding_contents_do_not_change_loss_or_gradient(tiny_model, random_groups) -> None:
+    model = tiny_model()
+    groups = random_groups(num_groups=2, group_size=3, seed=2)
+    learner = Learner(model, GRPOConfig(micro_batch_size=None, max_grad_norm=None))
+    batch = learner.build_batch(groups)
+    assert (batch.attention_mask == 0).any()
+
+    def loss_and_grads(input_ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        from echo_p2p.train.grpo import grpo_loss, token_logprobs
+
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids, attention_mask=batch.attention_mask).logits
+        loss, _ = grpo_loss(
+            token_logprobs(logits, input_ids),
+            batch.behaviour_logprobs,
+            batch.advantages,
+            batch.completion_mask,
+        )
+        loss.backward()
+        return loss.item(), _grads(model)
+
+    loss_a, g_a = loss_and_grads(batch.input_ids)
+    noisy = torch.where(
+        batch.attention_mask.bool(), batch.input_ids, torch.randint_like(batch.input_ids, 2, 16)
+    )
+    assert not torch.equal(noisy, batch.input_ids)
+    loss_b, g_b = loss_and_grads(noisy)
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    _assert_same_grads(g_a, g_b)
+
+
+def test_kl_term_is_zero_when_policy_equals_reference(tiny_model, random_groups) -> None:
+    model = tiny_model()
+    groups = random_groups(seed=3)
+    Learner(model, GRPOConfig(max_grad_norm=None)).compute_gradients(groups)
+    g_plain = _grads(model)
+    stats = Learner(
+        model, GRPOConfig(kl_beta=0.5, max_grad_norm=None), ref_model=copy.deepcopy(model)
+    ).compute_gradients(groups)
+    assert stats["kl"] == pytest.approx(0.0, abs=1e-7)
+    _assert_same_grads(_grads(model), g_plain, atol=1e-6)
+    with pytest.raises(ValueError):
+        Learner(model, GRPOConfig(kl_beta=0.1))
+
+
+@torch.no_grad()
+def _sample_group(
+    model: torch.nn.Module, prompt: list[int], group_size: int, new_tokens: int, temperature: float, gen
+) -> RolloutGroup:
+    ids = torch.tensor([prompt] * group_size)
+    lps = []
+    for _ in range(new_tokens):
+        logp = torch.log_softmax(model(ids).logits[:, -1].float() / temperature, -1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen)
+        lps.append(logp.gather(1, tok))
+        ids = torch.cat([ids, tok], 1)
+    lp = torch.cat(lps, 1)
+    comps = [
+        Completion(token_ids=ids[i, len(prompt) :].tolist(), logprobs=lp[i].tolist(), claimed_reward=0.0)
+        for i in range(group_size)
+    ]
+    return RolloutGroup(task="t", prompt_id=0, prompt_token_ids=prompt, completions=comps, policy_version=0)
+
+
+def test_on_policy_rollouts_have_ratio_one(tiny_model) -> None:
+    """Behaviour log-probs from an unpadded sampler line up with the learner's padded recomputation."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(0)
+    temperature = 0.7
+    groups = []
+    for k, prompt in enumerate([[3, 4], [5, 6, 7, 8], [9]]):
+        grp = _sample_group(model, prompt, group_size=4, new_tokens=2 + k, temperature=temperature, gen=gen)
+        groups.append(ScoredGroup(grp, [float(i % 2) for i in range(4)]))
+    stats = Learner(model, GRPOConfig(temperature=temperature, micro_batch_size=5)).compute_gradients(groups)
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(stats["behaviour_kl"]) < 1e-4
+    assert stats["clip_frac"] == 0.0
+    # a mismatched temperature shows up as off-policy
+    stats = Learner(model, GRPOConfig(temperature=1.0)).compute_gradients(groups)
+    assert abs(stats["ratio_mean"] - 1.0) > 1e-3
+
+
+def test_step_updates_weights_and_zero_grad_false_accumulates(tiny_model, random_groups) -> None:
+    model = tiny_model()
+    groups = random_groups(seed=4)
+    learner = Learner(model, GRPOConfig(lr=1e-3, max_grad_norm=None))
+    learner.compute_gradients(groups)
+    g1 = _grads(model)
+    learner.compute_gradients(groups, zero_grad=False)
+    _assert_same_grads(_grads(model), {k: 2 * v for k, v in g1.items()})
+
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = learner.make_optimizer()
+    stats = learner.step(groups, opt)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    for key in (
+        "loss",
+        "grad_norm",
+        "reward_mean",
+        "clip_frac",
+        "ratio_mean",
+        "num_tokens",
+        "frac_zero_adv_groups",
+    ):
+        assert key in stats
+
+
+def test_grad_norm_is_clipped(tiny_model, random_groups) -> None:
+    model = tiny_model()
+    stats = Learner(model, GRPOConfig(max_grad_norm=1e-3)).compute_gradients(random_groups(seed=5))
+    assert stats["grad_norm"] > 1e-3
+    total = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
+    assert total.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_zero_advantage_groups_are_reported(tiny_model, scored_group) -> None:
+    groups = [scored_group([3], [[4], [5]], [1.0, 1.0]), scored_group([3], [[4], [5]], [0.0, 1.0])]
+    stats = Learner(tiny_model(), GRPOConfig()).compute_gradients(groups)
+    assert stats["frac_zero_adv_groups"] == 0.5
+    assert stats["reward_mean"] == 0.75
