@@ -1,4 +1,5 @@
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from echo_p2p.config import BootstrapConfig, ConfigError, PeerConfig, build_config, env_overrides
 
 MADDR = "/ip4/127.0.0.1/tcp/4000/p2p/QmVBs4rtbHeMREzjEUBfqKvRsHfvPFy9RFAZMr9K23gFyb"
+REPO = Path(__file__).resolve().parents[2]
 MADDR2 = "/ip4/127.0.0.1/tcp/4001/p2p/QmVBs4rtbHeMREzjEUBfqKvRsHfvPFy9RFAZMr9K23gFyb"
 
 
@@ -103,3 +105,17 @@ def test_help_is_instant_and_imports_no_torch_or_hivemind(module):
     r = _run("-c", code)
     assert "usage:" in r.stdout
     assert "HEAVY []" in r.stdout, r.stdout[-500:]
+
+
+@pytest.mark.parametrize("name", ["inference-gpu", "inference-cpu", "trainer"])
+def test_shipped_peer_configs_are_valid(name):
+    path = REPO / "peers" / f"{name}.yaml"
+    c = build_config(
+        PeerConfig, yaml_path=str(path), environ={}, flags={"run_id": "r", "network.initial_peers": [MADDR]}
+    )
+    assert c.role == name.split("-")[0]
+
+
+def test_shipped_bootstrap_config_is_valid():
+    c = build_config(BootstrapConfig, yaml_path=str(REPO / "bootstrap" / "bootstrap.yaml"), environ={})
+    assert c.network.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]
