@@ -1,0 +1,95 @@
+"""The ``Task`` interface: deterministic prompts from integer ids and a reward verifier.
+
+Owned here: ``Task`` (the ABC every task implements), ``TaskOptions`` (base of each task's pydantic options)
+and ``TaskError``. Called by the inference peer (prompt text, claimed rewards), the trainer (rebuilds the
+prompt from its id and re-scores every completion: it trusts nothing it can recompute) and the registry.
+Must not import torch, transformers or hivemind: the trainer validates with tasks and the CLI stays instant.
+Scoring must never raise on an odd completion text: untrusted text scores low, it does not crash a peer.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class TaskError(ValueError):
+    """A task was configured or used wrongly (unknown name, bad option, prompt id out of range...)."""
+
+
+class TaskOptions(BaseModel):
+    """Base of each task's options: unknown options are an error that names them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Task(ABC):
+    """A source of prompts and the verifier that scores completions of them.
+
+    A prompt is identified by an integer ``prompt_id``: ``prompt(prompt_id)`` is a pure function of the id and
+    the task's options, so a trainer rebuilds any prompt from the id a rollout carries. Rewards are in [0, 1].
+    """
+
+    #: Registry name of the task (a rollout's ``task`` field).
+    name: ClassVar[str]
+
+    #: Completion length cap the task needs (EOS included).
+    max_new_tokens: int
+
+    @property
+    @abstractmethod
+    def num_prompts(self) -> int | None:
+        """Number of distinct prompts (ids are ``0 .. num_prompts - 1``), or None when ids are unbounded
+        (any id in ``0 .. 2**31 - 1`` is valid)."""
+
+    @abstractmethod
+    def prompt(self, prompt_id: int) -> str:
+        """The prompt text of ``prompt_id`` (deterministic)."""
+
+    @abstractmethod
+    def score(self, prompt_id: int, completion_text: str) -> float:
+        """Reward in [0, 1] of ``completion_text`` (decoded without special tokens) as an answer to
+        ``prompt_id``."""
+
+    def score_batch(self, prompt_ids: Sequence[int], completion_texts: Sequence[str]) -> list[float]:
+        """Rewards of several completions (a task may batch its verifier; default: one by one)."""
+        if len(prompt_ids) != len(completion_texts):
+            raise TaskError(f"{len(prompt_ids)} prompt ids for {len(completion_texts)} completions")
+        return [self.score(p, c) for p, c in zip(prompt_ids, completion_texts, strict=True)]
+
+    def check_prompt_id(self, prompt_id: int) -> int:
+        """``prompt_id`` if it is valid for this task, else ``TaskError`` (ids arrive from other peers)."""
+        if isinstance(prompt_id, bool) or not isinstance(prompt_id, int):
+            raise TaskError(f"prompt id must be an int, got {type(prompt_id).__name__}")
+        limit = self.num_prompts if self.num_prompts is not None else 2**31
+        if not 0 <= prompt_id < limit:
+            raise TaskError(f"prompt id {prompt_id} out of range [0, {limit}) for task {self.name!r}")
+        return prompt_id
+
+    def sample_prompt_ids(self, rng: random.Random, k: int) -> list[int]:
+        """``k`` prompt ids drawn with ``rng``: distinct when the task has at least ``k`` prompts."""
+        if k < 0:
+            raise TaskError(f"k must be >= 0, got {k}")
+        n = self.num_prompts
+        if n is None:
+            return [rng.randrange(2**31) for _ in range(k)]
+        if k <= n:
+            return rng.sample(range(n), k)
+        return [rng.randrange(n) for _ in range(k)]
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return (
+            f"{self.name} (prompts: {self.num_prompts or 'unbounded'}, max_new_tokens: {self.max_new_tokens})"
+        )
+
+
+def clamp01(value: float) -> float:
+    """``value`` clipped to [0, 1]; NaN becomes 0."""
+    if value != value:  # NaN
+        return 0.0
+    return 0.0 if value < 0 else 1.0 if value > 1 else float(value)
