@@ -16,82 +16,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.buffer import ScoredGroup
-from echo_p2p.train.grpo import LossAggregation, grpo_loss, token_logprobs
-
-
-class GRPOConfig(BaseModel):
-    """Hyper-parameters of the GRPO update (loss, advantages, micro-batching, optimizer defaults)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(
-        default=1e-6,
-        gt=0,
-        description="Learning rate of the optimizer built by ``Learner.make_optimizer`` (AdamW). 1e-6 suits "
-        "0.1-7B pretrained LMs; the tiny test models learn at 1e-3..3e-3.",
-    )
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay of ``make_optimizer``.")
-    adam_betas: tuple[float, float] = Field(
-        default=(0.9, 0.99), description="AdamW betas of ``make_optimizer``."
-    )
-    clip_low: float = Field(
-        default=0.2, ge=0, description="PPO clip below: the ratio is clipped at ``1 - clip_low``."
-    )
-    clip_high: float = Field(
-        default=0.2,
-        ge=0,
-        description="PPO clip above: the ratio is clipped at ``1 + clip_high`` (DAPO's clip-higher: 0.28).",
-    )
-    tis_cap: float | None = Field(
-        default=None,
-        gt=0,
-        description="Async mode: truncate the importance ratio at this value on top of the clip (bounds the "
-        "A<0, large-ratio branch the clip leaves open), e.g. 2.0. None: off. See ``grpo``.",
-    )
-    kl_beta: float = Field(
-        default=0.0,
-        ge=0,
-        description="Coefficient of the k3 KL penalty to a reference policy; > 0 needs ``ref_model``.",
-    )
-    temperature: float = Field(
-        default=1.0,
-        gt=0,
-        description="Temperature of the log-probs; MUST equal the inference peers' sampling temperature, "
-        "since the behaviour log-probs were computed at it.",
-    )
-    scale_rewards: bool = Field(
-        default=True,
-        description="Divide group-centred rewards by the group's std (GRPO). False: Dr. GRPO (centre only).",
-    )
-    adv_eps: float = Field(default=1e-6, gt=0, description="Added to the group std before dividing.")
-    loss_agg: LossAggregation = Field(
-        default="token_mean",
-        description="'token_mean' (DAPO: every completion token of the batch weighs the same) or "
-        "'seq_mean' (original GRPO: mean per completion, then mean over completions).",
-    )
-    micro_batch_size: int | None = Field(
-        default=8,
-        ge=1,
-        description="Most completions (rows) per forward/backward pass; None: no row limit.",
-    )
-    max_tokens_per_micro_batch: int | None = Field(
-        default=None,
-        ge=1,
-        description="Most padded tokens (rows x width) per forward/backward pass; None: no token limit.",
-    )
-    max_grad_norm: float | None = Field(
-        default=1.0,
-        gt=0,
-        description="Clip the total gradient norm to this after accumulation; None: no clipping (the norm "
-        "is still reported).",
-    )
-    pad_token_id: int = Field(
-        default=0, ge=0, description="Token id written in padding positions (never attended, never scored)."
-    )
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.grpo import grpo_loss, token_logprobs
 
 
 def _forward_logits(
