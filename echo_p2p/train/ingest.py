@@ -1,0 +1,242 @@
+"""Validation of untrusted rollout groups before they reach a trainer's replay buffer.
+
+Owned here: ``IngestConfig`` (the limits a trainer enforces), ``Reason`` (the closed set of rejection
+reasons, also the names of the per-sender counters and the strings sent back to senders), ``Rejection`` and
+``IngestValidator``, which checks schema, sizes, token ranges, log-probs, versions and the prompt (rebuilt
+from its id), then re-scores every completion with the task's own verifier: the claimed reward is never
+trusted, it is only compared with the re-score to catch forgers. Called by the trainer peer, through the
+rollout transport (``echo_p2p.transport.rollout_push`` async, ``rollout_pull`` sync).
+Must not import hivemind or torch, and must never raise on bad input: every problem is a ``Rejection``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo_p2p import PROTOCOL_VERSION
+from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
+from echo_p2p.rollout import RolloutGroup
+from echo_p2p.tasks.base import Task, TaskError
+from echo_p2p.train.buffer import ScoredGroup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+#: Longest ``rollout_id`` accepted (a uuid4 hex is 32 characters).
+MAX_ROLLOUT_ID_LEN = 64
+#: A behaviour log-prob above this is impossible (log p <= 0) beyond float rounding.
+MAX_LOGPROB = 1e-3
+
+
+class Reason(str, Enum):
+    """Why a rollout group was refused. The value is what the sender receives and what counters are named."""
+
+    MALFORMED = "malformed"  # does not parse, wrong types, empty completion, bad id or negative version
+    OTHER_PROTOCOL = "other_protocol"  # written by a peer of another protocol version
+    UNKNOWN_TASK = "unknown_task"  # a task this trainer does not train on
+    BAD_PROMPT_ID = "bad_prompt_id"  # prompt id out of the task's range
+    PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from the prompt rebuilt from its id
+    WRONG_GROUP_SIZE = "wrong_group_size"  # not exactly ``group_size`` completions
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"  # a token id outside [0, vocab_size)
+    TOO_LONG = "too_long"  # prompt or completion longer than the limits
+    LOGPROB_MISMATCH = "logprob_mismatch"  # not one log-prob per completion token
+    BAD_LOGPROB = "bad_logprob"  # a log-prob > 0 (impossible)
+    NON_FINITE = "non_finite"  # NaN or infinity in log-probs or the claimed reward
+    FUTURE_VERSION = "future_version"  # sampled by a policy version this trainer has not reached
+    TOO_STALE = "too_stale"  # older than ``max_staleness`` versions
+    FORGED_REWARD = "forged_reward"  # a claimed reward differs from the verifier's re-score
+    DUPLICATE = "duplicate"  # a rollout id already accepted (a resend: counted, acknowledged as delivered)
+    BUFFER_FULL = "buffer_full"  # the trainer has no room now (retryable elsewhere)
+    TOO_LARGE = "too_large"  # a message above the byte limit
+    TOO_MANY = "too_many"  # more groups in one push than allowed
+    INTERNAL_ERROR = "internal_error"  # the trainer failed while checking it (a bug; logged)
+
+
+#: Reasons after which the same group may succeed at another trainer (or later): the sender resends.
+RETRYABLE_REASONS: frozenset[Reason] = frozenset({Reason.BUFFER_FULL, Reason.INTERNAL_ERROR})
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refused group: the reason (a fixed code) and a short detail for logs and the sender."""
+
+    reason: Reason
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
+
+
+class IngestConfig(BaseModel):
+    """The limits a trainer enforces on every rollout group it receives (pushed or pulled)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(
+        ge=1, description="Token ids must lie in [0, vocab_size) (the model's vocabulary)"
+    )
+    group_size: int = Field(default=16, ge=1, le=4096, description="G: exact number of completions per group")
+    max_prompt_tokens: int = Field(default=1024, ge=1, description="Longest prompt (tokens) accepted")
+    max_completion_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest completion (tokens, EOS included); None: each task's own max_new_tokens",
+    )
+    max_staleness: int = Field(
+        default=4, ge=0, description="Refuse groups older than current_version - max_staleness (0: sync mode)"
+    )
+    reward_tolerance: float = Field(
+        default=1e-3,
+        ge=0,
+        description="Largest |claimed - re-scored| reward accepted; above it: forged_reward",
+    )
+    tasks: list[str] | None = Field(
+        default=None, description="Task names accepted; None: every task the validator was given"
+    )
+    use_chat_template: bool | None = Field(
+        default=None,
+        description="How prompts are encoded (must match the inference peers); None: the tokenizer's default",
+    )
+    prompt_cache_size: int = Field(
+        default=4096, ge=0, description="Rebuilt prompts kept in memory (tokenizing is the costly part)"
+    )
+
+
+class IngestValidator:
+    """Checks rollout groups against one trainer's tasks, tokenizer and limits; see the module doc.
+
+    ``validate`` is thread-safe in the sense that it holds no lock-free shared mutable state other than the
+    prompt cache (an ``OrderedDict`` touched under the GIL); call it from one thread per tokenizer when the
+    tokenizer itself is not thread-safe.
+    """
+
+    def __init__(
+        self, tasks: Mapping[str, Task], tokenizer: PreTrainedTokenizerBase, config: IngestConfig
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        allowed = set(config.tasks) if config.tasks is not None else set(tasks)
+        self.tasks: dict[str, Task] = {name: task for name, task in tasks.items() if name in allowed}
+        self._prompts: OrderedDict[tuple[str, int], tuple[int, ...]] = OrderedDict()
+
+    # ---- public -----------------------------------------------------------------------------------------
+    def validate(self, group: Any, current_version: int) -> ScoredGroup | Rejection:
+        """The group with re-scored rewards, or why it is refused. Never raises."""
+        try:
+            return self._validate(group, current_version)
+        except Exception as exc:  # a bug or a task verifier that raised: refuse, log, keep serving
+            logger.exception("validating a rollout group failed")
+            return Rejection(Reason.INTERNAL_ERROR, f"{type(exc).__name__}")
+
+    def prompt_token_ids(self, task_name: str, prompt_id: int) -> tuple[int, ...]:
+        """The prompt of ``prompt_id`` tokenized as the inference peers must have done it (cached)."""
+        key = (task_name, prompt_id)
+        cached = self._prompts.get(key)
+        if cached is not None:
+            self._prompts.move_to_end(key)
+            return cached
+        text = self.tasks[task_name].prompt(prompt_id)
+        ids = tuple(encode_prompts(self.tokenizer, [text], self.config.use_chat_template)[0])
+        if self.config.prompt_cache_size:
+            self._prompts[key] = ids
+            while len(self._prompts) > self.config.prompt_cache_size:
+                self._prompts.popitem(last=False)
+        return ids
+
+    # ---- checks, cheapest first -------------------------------------------------------------------------
+    def _validate(self, group: Any, current_version: int) -> ScoredGroup | Rejection:
+        if not isinstance(group, RolloutGroup):
+            return Rejection(Reason.MALFORMED, f"not a RolloutGroup ({type(group).__name__})")
+        if group.protocol != PROTOCOL_VERSION:
+            return Rejection(Reason.OTHER_PROTOCOL, f"protocol {group.protocol}, expected {PROTOCOL_VERSION}")
+        if not group.rollout_id or len(group.rollout_id) > MAX_ROLLOUT_ID_LEN:
+            return Rejection(Reason.MALFORMED, "rollout_id empty or too long")
+        if group.policy_version < 0:
+            return Rejection(Reason.MALFORMED, f"negative policy_version {group.policy_version}")
+        task = self.tasks.get(group.task)
+        if task is None:
+            return Rejection(Reason.UNKNOWN_TASK, f"task {group.task[:64]!r} is not trained here")
+        try:
+            task.check_prompt_id(group.prompt_id)
+        except TaskError as exc:
+            return Rejection(Reason.BAD_PROMPT_ID, str(exc))
+        if len(group.completions) != self.config.group_size:
+            return Rejection(
+                Reason.WRONG_GROUP_SIZE,
+                f"{len(group.completions)} completions, expected {self.config.group_size}",
+            )
+        if (rejection := self._check_shapes(group, task)) is not None:
+            return rejection
+        if group.policy_version > current_version:
+            return Rejection(
+                Reason.FUTURE_VERSION, f"version {group.policy_version} > current {current_version}"
+            )
+        if current_version - group.policy_version > self.config.max_staleness:
+            return Rejection(
+                Reason.TOO_STALE,
+                f"version {group.policy_version} is {current_version - group.policy_version} behind "
+                f"(max {self.config.max_staleness})",
+            )
+        if tuple(group.prompt_token_ids) != self.prompt_token_ids(group.task, group.prompt_id):
+            return Rejection(Reason.PROMPT_MISMATCH, f"prompt tokens differ from prompt {group.prompt_id}")
+        return self._rescore(group, task)
+
+    def _check_shapes(self, group: RolloutGroup, task: Task) -> Rejection | None:
+        vocab = self.config.vocab_size
+        max_completion = self.config.max_completion_tokens or task.max_new_tokens
+        prompt = group.prompt_token_ids
+        if not prompt:
+            return Rejection(Reason.MALFORMED, "empty prompt")
+        if len(prompt) > self.config.max_prompt_tokens:
+            return Rejection(
+                Reason.TOO_LONG, f"prompt of {len(prompt)} tokens > {self.config.max_prompt_tokens}"
+            )
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            return Rejection(Reason.TOKEN_OUT_OF_RANGE, f"prompt token outside [0, {vocab})")
+        for i, completion in enumerate(group.completions):
+            ids = completion.token_ids
+            if not ids:
+                return Rejection(Reason.MALFORMED, f"completion {i} is empty")
+            if len(ids) > max_completion:
+                return Rejection(Reason.TOO_LONG, f"completion {i} has {len(ids)} tokens > {max_completion}")
+            if min(ids) < 0 or max(ids) >= vocab:
+                return Rejection(
+                    Reason.TOKEN_OUT_OF_RANGE, f"completion {i} has a token outside [0, {vocab})"
+                )
+            if len(completion.logprobs) != len(ids):
+                return Rejection(
+                    Reason.LOGPROB_MISMATCH,
+                    f"completion {i}: {len(completion.logprobs)} log-probs, {len(ids)} tokens",
+                )
+            if not all(math.isfinite(lp) for lp in completion.logprobs):
+                return Rejection(Reason.NON_FINITE, f"completion {i} has a non-finite log-prob")
+            if max(completion.logprobs) > MAX_LOGPROB:
+                return Rejection(Reason.BAD_LOGPROB, f"completion {i} has a positive log-prob")
+            if not math.isfinite(completion.claimed_reward):
+                return Rejection(Reason.NON_FINITE, f"completion {i} has a non-finite claimed reward")
+        return None
+
+    def _rescore(self, group: RolloutGroup, task: Task) -> ScoredGroup | Rejection:
+        texts = [decode_completion(self.tokenizer, c.token_ids) for c in group.completions]
+        rewards = task.score_batch([group.prompt_id] * len(texts), texts)
+        if len(rewards) != len(texts) or not all(math.isfinite(r) for r in rewards):
+            logger.error("task %s returned bad rewards %r", task.name, rewards[:4])
+            return Rejection(Reason.INTERNAL_ERROR, "the task's verifier returned bad rewards")
+        tolerance = self.config.reward_tolerance
+        for i, (completion, reward) in enumerate(zip(group.completions, rewards, strict=True)):
+            if abs(completion.claimed_reward - reward) > tolerance:
+                return Rejection(
+                    Reason.FORGED_REWARD,
+                    f"completion {i} claims {completion.claimed_reward:.4g}, verifier says {reward:.4g}",
+                )
+        return ScoredGroup(group, rewards)

@@ -1,0 +1,508 @@
+"""Sequential pull of rollouts (``--mode sync``): a trainer asks inference peers for rollouts of given prompts.
+
+Owned here:
+- ``SampleServicer`` (inference peer): ``rpc_sample(SampleRequest)`` checks the request against the peer's
+  tasks and limits, makes sure the peer holds the requested policy version (injected ``ensure_version``,
+  which fetches it and answers False when no trusted trainer published it), samples (injected ``sample``)
+  and streams one ``SampleResponse`` per group. A bad request gets one response with a reason
+  (``SampleError``), is counted, and the peer keeps serving. Never raises.
+- ``SampleClient`` (trainer): ``collect`` spreads a batch of prompts over the inference peers found on the
+  DHT, in proportion to their announced ``tokens_per_second``, waits for each request with a deadline, and
+  re-asks other peers for the prompts that did not come back. It checks that what came back is what was
+  asked (task, prompt, version, group size); the trainer then validates it like any rollout (``ingest``).
+Callers: the inference and trainer peers in sync mode. Must not import torch; blocking calls (sampling,
+weight updates) run in worker threads, never in the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
+
+from hivemind.p2p import P2PContext, ServicerBase
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo_p2p.proto import rollouts_pb2
+from echo_p2p.rollout import RolloutGroup
+from echo_p2p.tasks.base import Task, TaskError
+from echo_p2p.transport.rollouts import MAX_GROUP_BYTES, P2PLoop, peer_id_of
+
+logger = logging.getLogger(__name__)
+
+#: ``sample(task, prompt_ids, n, version, max_new_tokens) -> list[RolloutGroup]`` (one group per prompt id).
+SampleFn = Callable[[str, list[int], int, int, int], list[RolloutGroup]]
+
+
+class SampleError(str, Enum):
+    """Why an inference peer refused a sample request (sent back as ``SampleResponse.error``, counted)."""
+
+    MALFORMED = "malformed"  # no prompts, negative version
+    UNKNOWN_TASK = "unknown_task"
+    BAD_PROMPT_ID = "bad_prompt_id"
+    TOO_MANY_PROMPTS = "too_many_prompts"
+    TOO_MANY_COMPLETIONS = "too_many_completions"
+    TOO_MANY_TOKENS = "too_many_tokens"
+    UNKNOWN_VERSION = (
+        "unknown_version"  # no trusted trainer published it (or it could not be fetched in time)
+    )
+    NOT_ALLOWED = "not_allowed"  # the requester is not a peer this one samples for
+    BUSY = "busy"  # too many requests waiting
+    SAMPLE_FAILED = "sample_failed"  # sampling raised or timed out (logged)
+
+
+class SampleServerConfig(BaseModel):
+    """Limits of an inference peer's sample RPC."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_prompts_per_request: int = Field(default=64, ge=1, description="Most prompt ids in one request")
+    max_completions: int = Field(default=64, ge=1, description="Most completions per prompt (G)")
+    max_new_tokens: int = Field(
+        default=1024, ge=1, description="Largest max_new_tokens a request may ask for"
+    )
+    max_concurrent: int = Field(default=1, ge=1, description="Requests sampled at once")
+    max_waiting: int = Field(
+        default=8, ge=0, description="Requests queued behind those; more are refused (busy)"
+    )
+    version_timeout: float = Field(
+        default=120.0, gt=0, description="Deadline (s) to get the requested version"
+    )
+    sample_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of the sampling itself")
+    max_group_bytes: int = Field(
+        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group sent"
+    )
+
+
+class SampleServicer(ServicerBase):
+    """Inference side of the sync pull (see the module doc).
+
+    :param tasks: the tasks this peer samples, by name
+    :param ensure_version: ``version -> bool``: hold ``version`` (fetching it if needed, blocking);
+        False when no trusted trainer published it
+    :param sample: ``SampleFn``; called only after ``ensure_version`` returned True
+    :param is_allowed: ``peer_id -> bool``: whom to sample for (default: anyone)
+    """
+
+    def __init__(
+        self,
+        tasks: Mapping[str, Task],
+        ensure_version: Callable[[int], bool],
+        sample: SampleFn,
+        config: SampleServerConfig | None = None,
+        is_allowed: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.tasks = dict(tasks)
+        self.ensure_version = ensure_version
+        self.sample = sample
+        self.config = config or SampleServerConfig()
+        self.is_allowed = is_allowed
+        self.rejected: Counter[str] = Counter()
+        self.served = 0
+        self.groups_sent = 0
+        self._active = 0
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="echo-sample")
+        self._semaphore: asyncio.Semaphore | None = None
+
+    async def rpc_sample(
+        self, request: rollouts_pb2.SampleRequest, context: P2PContext
+    ) -> AsyncIterator[rollouts_pb2.SampleResponse]:
+        try:
+            requester = context.remote_id.to_base58()
+        except Exception:
+            requester = "?"
+        try:
+            groups, error = await self._handle(request, requester)
+        except Exception as exc:  # a bug: refuse this request, keep serving
+            logger.exception("sample request from %s failed", requester)
+            groups, error = [], (SampleError.SAMPLE_FAILED, type(exc).__name__)
+        if error is not None:
+            reason, detail = error
+            with self._lock:
+                self.rejected[reason.value] += 1
+            logger.info("refused sample request from %s: %s (%s)", requester, reason.value, detail)
+            yield rollouts_pb2.SampleResponse(error=reason.value, detail=detail[:256])
+            return
+        with self._lock:
+            self.served += 1
+        for payload in groups:
+            with self._lock:
+                self.groups_sent += 1
+            yield rollouts_pb2.SampleResponse(group=payload)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"served": self.served, "groups_sent": self.groups_sent, "rejected": dict(self.rejected)}
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _check(self, request: rollouts_pb2.SampleRequest, requester: str) -> tuple[SampleError, str] | None:
+        config = self.config
+        if self.is_allowed is not None and not self.is_allowed(requester):
+            return SampleError.NOT_ALLOWED, "requester is not trusted"
+        task = self.tasks.get(request.task)
+        if task is None:
+            return SampleError.UNKNOWN_TASK, f"task {request.task[:64]!r} is not served here"
+        if not request.prompt_ids or request.policy_version < 0:
+            return SampleError.MALFORMED, "no prompt ids or a negative version"
+        if len(request.prompt_ids) > config.max_prompts_per_request:
+            return (
+                SampleError.TOO_MANY_PROMPTS,
+                f"{len(request.prompt_ids)} > {config.max_prompts_per_request}",
+            )
+        if not 1 <= request.num_completions <= config.max_completions:
+            return (
+                SampleError.TOO_MANY_COMPLETIONS,
+                f"{request.num_completions} not in [1, {config.max_completions}]",
+            )
+        if request.max_new_tokens > config.max_new_tokens:
+            return SampleError.TOO_MANY_TOKENS, f"{request.max_new_tokens} > {config.max_new_tokens}"
+        for prompt_id in request.prompt_ids:
+            try:
+                task.check_prompt_id(int(prompt_id))
+            except TaskError as exc:
+                return SampleError.BAD_PROMPT_ID, str(exc)
+        return None
+
+    async def _handle(
+        self, request: rollouts_pb2.SampleRequest, requester: str
+    ) -> tuple[list[bytes], tuple[SampleError, str] | None]:
+        error = self._check(request, requester)
+        if error is not None:
+            return [], error
+        with self._lock:
+            if self._active >= self.config.max_concurrent + self.config.max_waiting:
+                return [], (SampleError.BUSY, f"{self._active} requests in progress")
+            self._active += 1
+        try:
+            if self._semaphore is None:
+                self._semaphore = asyncio.Semaphore(self.config.max_concurrent)
+            async with self._semaphore:
+                return await self._sample(request)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    async def _sample(
+        self, request: rollouts_pb2.SampleRequest
+    ) -> tuple[list[bytes], tuple[SampleError, str] | None]:
+        loop = asyncio.get_running_loop()
+        version = int(request.policy_version)
+        try:
+            held = await asyncio.wait_for(
+                loop.run_in_executor(self._worker, self.ensure_version, version), self.config.version_timeout
+            )
+        except TimeoutError:
+            return [], (SampleError.UNKNOWN_VERSION, f"version {version} not obtained in time")
+        except Exception as exc:
+            logger.warning("getting version %d failed: %s", version, exc)
+            return [], (SampleError.UNKNOWN_VERSION, f"version {version} could not be obtained")
+        if not held:
+            return [], (SampleError.UNKNOWN_VERSION, f"no trusted trainer published version {version}")
+        task = self.tasks[request.task]
+        prompt_ids = [int(p) for p in request.prompt_ids]
+        max_new_tokens = int(request.max_new_tokens) or task.max_new_tokens
+        try:
+            groups = await asyncio.wait_for(
+                loop.run_in_executor(
+                    self._worker,
+                    self.sample,
+                    request.task,
+                    prompt_ids,
+                    int(request.num_completions),
+                    version,
+                    max_new_tokens,
+                ),
+                self.config.sample_timeout,
+            )
+        except Exception as exc:
+            logger.exception("sampling for a request failed")
+            return [], (SampleError.SAMPLE_FAILED, type(exc).__name__)
+        payloads = []
+        for group in groups:
+            if group.policy_version != version or group.task != request.task:
+                logger.error("sample() returned a group of another version or task; not sent")
+                continue
+            payload = group.to_bytes()
+            if len(payload) > self.config.max_group_bytes:
+                logger.warning("group %s is %d bytes, too large to send", group.rollout_id, len(payload))
+                continue
+            payloads.append(payload)
+        return payloads, None
+
+
+# ---- trainer side -----------------------------------------------------------------------------------------
+class SampleClientConfig(BaseModel):
+    """How a trainer asks inference peers for rollouts in sync mode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_timeout: float = Field(default=60.0, gt=0, description="Deadline (s) of one request to one peer")
+    max_prompts_per_request: int = Field(default=64, ge=1, description="Most prompt ids sent in one request")
+    retry_cooldown: float = Field(
+        default=30.0, ge=0, description="Seconds a failed peer is asked only as a last resort"
+    )
+    refresh_period: float = Field(default=2.0, gt=0, description="Seconds between two reads of the peer list")
+    idle_wait: float = Field(default=0.5, gt=0, description="Seconds to wait when no inference peer is found")
+    max_group_bytes: int = Field(
+        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed"
+    )
+
+
+@dataclass
+class _Peer:
+    peer_id: str
+    maddrs: list[str]
+    tokens_per_second: float | None
+
+
+def spread_by_weight(items: Sequence[int], weights: Mapping[str, float | None]) -> dict[str, list[int]]:
+    """Split ``items`` over the keys of ``weights`` in proportion to the weights (largest remainder).
+
+    A missing, zero or non-finite weight counts as the mean of the known ones (all unknown: equal shares).
+    Keys that get nothing are left out. Order of ``items`` is kept within each share.
+    """
+    if not weights:
+        return {}
+    known = [w for w in weights.values() if w is not None and math.isfinite(w) and w > 0]
+    default = sum(known) / len(known) if known else 1.0
+    resolved = {
+        k: (w if w is not None and math.isfinite(w) and w > 0 else default) for k, w in weights.items()
+    }
+    total = sum(resolved.values())
+    quotas = {k: len(items) * w / total for k, w in resolved.items()}
+    counts = {k: int(q) for k, q in quotas.items()}
+    leftover = len(items) - sum(counts.values())
+    for k in sorted(quotas, key=lambda k: (counts[k] - quotas[k], k))[:leftover]:
+        counts[k] += 1
+    out: dict[str, list[int]] = {}
+    start = 0
+    for k in weights:
+        if counts[k]:
+            out[k] = list(items[start : start + counts[k]])
+            start += counts[k]
+    return out
+
+
+class SampleClient:
+    """Trainer side of the sync pull (see the module doc). ``collect`` is synchronous, for one caller thread
+    at a time (the training loop); its requests to several peers run concurrently in the ``P2PLoop``.
+
+    :param directory: anything with ``peers() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``)
+    :param accept: optional ``group -> bool`` run on each returned group (e.g. the trainer's validator);
+        a group it refuses counts as not delivered and its prompt is asked again elsewhere
+    """
+
+    def __init__(
+        self,
+        loop: P2PLoop,
+        directory,
+        config: SampleClientConfig | None = None,
+        namespace: str | None = None,
+        accept: Callable[[RolloutGroup], bool] | None = None,
+    ) -> None:
+        self.loop = loop
+        self.directory = directory
+        self.config = config or SampleClientConfig()
+        self.namespace = namespace
+        self.accept = accept
+        self.counters: Counter[str] = Counter()  # requests, failed_requests, groups, reasked, unrequested
+        self.refused: Counter[str] = Counter()  # reason -> requests refused by peers
+        self._peers: list[_Peer] = []
+        self._refreshed_at = -float("inf")
+        self._bad_until: dict[str, float] = {}
+
+    def collect(
+        self,
+        task: str,
+        prompt_ids: Sequence[int],
+        n: int,
+        version: int,
+        timeout: float,
+        max_new_tokens: int = 0,
+    ) -> list[RolloutGroup]:
+        """Rollout groups (``n`` completions each, sampled by ``version``) of ``prompt_ids``, one per entry,
+        gathered within ``timeout`` seconds; fewer when the time runs out. Never raises on peer failures."""
+        deadline = time.monotonic() + timeout
+        needed: Counter[int] = Counter(int(p) for p in prompt_ids)
+        out: list[RolloutGroup] = []
+        failed: set[str] = set()  # peers that failed during this call
+        first = True
+        while +needed and (remaining := deadline - time.monotonic()) > 0:
+            if not first:
+                self.counters["reasked"] += sum(needed.values())
+            first = False
+            peers = self._candidates(failed)
+            if not peers:
+                time.sleep(min(self.config.idle_wait, remaining))
+                failed.clear()  # nobody else: ask the failed ones again rather than nobody
+                continue
+            shares = spread_by_weight(
+                list(needed.elements()), {p.peer_id: p.tokens_per_second for p in peers}
+            )
+            by_id = {p.peer_id: p for p in peers}
+            request_timeout = min(self.config.request_timeout, remaining)
+            try:
+                results = self.loop.run(
+                    self._round(shares, by_id, task, n, version, max_new_tokens, request_timeout),
+                    timeout=request_timeout + 2.0,
+                )
+            except Exception as exc:  # the loop itself failed (shut down?): give up with what we have
+                logger.warning("sample round failed: %s", exc)
+                break
+            for peer_id, (groups, error) in results.items():
+                delivered = 0
+                for group in groups:
+                    if self._take(group, needed, task, n, version):
+                        out.append(group)
+                        delivered += 1
+                if error or delivered < len(shares[peer_id]):
+                    failed.add(peer_id)
+                    self._bad_until[peer_id] = time.monotonic() + self.config.retry_cooldown
+                    self.counters["failed_requests"] += 1
+                    logger.info(
+                        "peer %s delivered %d of %d groups (%s)",
+                        peer_id,
+                        delivered,
+                        len(shares[peer_id]),
+                        error,
+                    )
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {**dict(self.counters), "refused": dict(self.refused)}
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _take(self, group: RolloutGroup, needed: Counter[int], task: str, n: int, version: int) -> bool:
+        if (
+            needed[group.prompt_id] <= 0
+            or group.task != task
+            or group.policy_version != version
+            or group.group_size != n
+        ):
+            self.counters["unrequested"] += 1
+            return False
+        if self.accept is not None:
+            try:
+                if not self.accept(group):
+                    self.counters["not_accepted"] += 1
+                    return False
+            except Exception:
+                logger.exception("accept() raised")
+                return False
+        needed[group.prompt_id] -= 1
+        self.counters["groups"] += 1
+        return True
+
+    def _candidates(self, failed: set[str]) -> list[_Peer]:
+        if time.monotonic() - self._refreshed_at >= self.config.refresh_period:
+            self._refresh()
+        now = time.monotonic()
+        usable = [p for p in self._peers if p.peer_id not in failed]
+        fresh = [p for p in usable if self._bad_until.get(p.peer_id, 0.0) <= now]
+        return fresh or usable
+
+    def _refresh(self) -> None:
+        self._refreshed_at = time.monotonic()
+        try:
+            entries = self.directory.peers()
+        except Exception as exc:
+            logger.info("reading the inference peer list failed: %s", exc)
+            return
+        own = self.loop.peer_id if self.loop.p2p is not None else None
+        peers: dict[str, _Peer] = {}
+        for entry in entries:
+            record = entry.record
+            if record.role != "inference" or record.state != "running" or record.mode == "async":
+                continue
+            if record.peer_id != own and record.peer_id not in peers:
+                peers[record.peer_id] = _Peer(record.peer_id, list(record.maddrs), record.tokens_per_second)
+        self._peers = list(peers.values())
+
+    async def _round(
+        self,
+        shares: dict[str, list[int]],
+        peers: dict[str, _Peer],
+        task: str,
+        n: int,
+        version: int,
+        max_new_tokens: int,
+        timeout: float,
+    ) -> dict[str, tuple[list[RolloutGroup], str]]:
+        async def ask_peer(peer: _Peer, prompt_ids: list[int]) -> tuple[list[RolloutGroup], str]:
+            step = self.config.max_prompts_per_request
+            chunks = [prompt_ids[i : i + step] for i in range(0, len(prompt_ids), step)]
+            results = await asyncio.gather(
+                *(self._ask(peer, task, chunk, n, version, max_new_tokens, timeout) for chunk in chunks)
+            )
+            groups = [g for gs, _ in results for g in gs]
+            errors = [e for _, e in results if e]
+            return groups, "; ".join(errors)
+
+        pairs = list(shares.items())
+        results = await asyncio.gather(*(ask_peer(peers[pid], ids) for pid, ids in pairs))
+        return {pid: result for (pid, _), result in zip(pairs, results, strict=True)}
+
+    async def _ask(
+        self,
+        peer: _Peer,
+        task: str,
+        prompt_ids: list[int],
+        n: int,
+        version: int,
+        max_new_tokens: int,
+        timeout: float,
+    ) -> tuple[list[RolloutGroup], str]:
+        request = rollouts_pb2.SampleRequest(
+            task=task,
+            prompt_ids=prompt_ids,
+            num_completions=n,
+            max_new_tokens=max_new_tokens,
+            policy_version=version,
+            request_id=uuid.uuid4().hex,
+        )
+        self.counters["requests"] += 1
+        groups: list[RolloutGroup] = []
+        stream = None
+        try:
+            async with asyncio.timeout(timeout):
+                await self.loop.dial(peer.peer_id, peer.maddrs, timeout=timeout / 2)
+                stub = SampleServicer.get_stub(
+                    self.loop.p2p, peer_id_of(peer.peer_id), namespace=self.namespace
+                )
+                stream = await stub.rpc_sample(request)
+                async for response in stream:
+                    if response.error:
+                        self.refused[response.error[:64]] += 1
+                        return groups, f"refused: {response.error} ({response.detail})"
+                    if len(response.group) > self.config.max_group_bytes:
+                        return groups, "a group above the size limit"
+                    try:
+                        groups.append(RolloutGroup.from_bytes(response.group))
+                    except ValueError:
+                        return groups, "a malformed group"
+                    if len(groups) >= len(prompt_ids):
+                        break
+            return groups, ""
+        except TimeoutError:
+            return groups, f"no complete answer within {timeout:.1f} s"
+        except Exception as exc:
+            self.loop.forget(peer.peer_id)
+            return groups, f"{type(exc).__name__}: {exc}"
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(stream.aclose(), 1.0)
