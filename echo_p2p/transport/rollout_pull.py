@@ -31,12 +31,12 @@ from enum import Enum
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
 
 from hivemind.p2p import P2PContext, ServicerBase
-from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.tasks.base import Task, TaskError
-from echo_p2p.transport.rollouts import MAX_GROUP_BYTES, P2PLoop, peer_id_of
+from echo_p2p.transport.rollout_config import SampleClientConfig, SampleServerConfig
+from echo_p2p.transport.rollouts import P2PLoop, peer_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,29 +59,6 @@ class SampleError(str, Enum):
     NOT_ALLOWED = "not_allowed"  # the requester is not a peer this one samples for
     BUSY = "busy"  # too many requests waiting
     SAMPLE_FAILED = "sample_failed"  # sampling raised or timed out (logged)
-
-
-class SampleServerConfig(BaseModel):
-    """Limits of an inference peer's sample RPC."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_prompts_per_request: int = Field(default=64, ge=1, description="Most prompt ids in one request")
-    max_completions: int = Field(default=64, ge=1, description="Most completions per prompt (G)")
-    max_new_tokens: int = Field(
-        default=1024, ge=1, description="Largest max_new_tokens a request may ask for"
-    )
-    max_concurrent: int = Field(default=1, ge=1, description="Requests sampled at once")
-    max_waiting: int = Field(
-        default=8, ge=0, description="Requests queued behind those; more are refused (busy)"
-    )
-    version_timeout: float = Field(
-        default=120.0, gt=0, description="Deadline (s) to get the requested version"
-    )
-    sample_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of the sampling itself")
-    max_group_bytes: int = Field(
-        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group sent"
-    )
 
 
 class SampleServicer(ServicerBase):
@@ -245,23 +222,6 @@ class SampleServicer(ServicerBase):
 
 
 # ---- trainer side -----------------------------------------------------------------------------------------
-class SampleClientConfig(BaseModel):
-    """How a trainer asks inference peers for rollouts in sync mode."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    request_timeout: float = Field(default=60.0, gt=0, description="Deadline (s) of one request to one peer")
-    max_prompts_per_request: int = Field(default=64, ge=1, description="Most prompt ids sent in one request")
-    retry_cooldown: float = Field(
-        default=30.0, ge=0, description="Seconds a failed peer is asked only as a last resort"
-    )
-    refresh_period: float = Field(default=2.0, gt=0, description="Seconds between two reads of the peer list")
-    idle_wait: float = Field(default=0.5, gt=0, description="Seconds to wait when no inference peer is found")
-    max_group_bytes: int = Field(
-        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed"
-    )
-
-
 @dataclass
 class _Peer:
     peer_id: str

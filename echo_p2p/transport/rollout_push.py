@@ -28,42 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
 
 from hivemind.p2p import P2PContext, ServicerBase
-from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.buffer import AddResult, ReplayBuffer, ScoredGroup
 from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, Reason, Rejection
-from echo_p2p.transport.rollouts import MAX_GROUP_BYTES, P2PLoop, peer_id_of
+from echo_p2p.transport.rollout_config import IngestServerConfig, PusherConfig
+from echo_p2p.transport.rollouts import P2PLoop, peer_id_of
 
 logger = logging.getLogger(__name__)
 
 Status = rollouts_pb2.GroupAck.Status
 DELIVERED = (Status.ACCEPTED, Status.DUPLICATE)
-
-
-class IngestServerConfig(BaseModel):
-    """Limits of a trainer's rollout ingest RPC."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_groups_per_push: int = Field(
-        default=64, ge=1, description="Groups read from one push; the rest unread"
-    )
-    max_group_bytes: int = Field(
-        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed (bytes)"
-    )
-    stream_timeout: float = Field(default=30.0, gt=0, description="Deadline (s) to read one push stream")
-    refuse_when_full: bool = Field(
-        default=True,
-        description="Refuse (buffer_full, retryable) instead of evicting when the buffer is full",
-    )
-    accepted_ids_window: int = Field(
-        default=65536,
-        ge=1,
-        description="Accepted rollout ids remembered to acknowledge resends as duplicates",
-    )
-    max_tracked_senders: int = Field(default=4096, ge=1, description="Senders with their own counters")
 
 
 @dataclass
@@ -258,29 +234,6 @@ class RolloutIngestServicer(ServicerBase):
 
 
 # ---- inference side ---------------------------------------------------------------------------------------
-class PusherConfig(BaseModel):
-    """How an inference peer pushes rollouts to trainers."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    outbox_groups: int = Field(
-        default=64, ge=1, description="Most unacknowledged groups held; submit blocks above"
-    )
-    batch_groups: int = Field(default=8, ge=1, description="Most groups per push")
-    push_timeout: float = Field(default=15.0, gt=0, description="Deadline (s) of one push, ack included")
-    retry_cooldown: float = Field(default=10.0, ge=0, description="Seconds a failed trainer is not pushed to")
-    refresh_period: float = Field(
-        default=2.0, gt=0, description="Seconds between two reads of the trainer list"
-    )
-    idle_wait: float = Field(default=0.5, gt=0, description="Seconds to wait when no trainer has room")
-    max_attempts: int = Field(
-        default=5, ge=1, description="Sends of a group refused with internal_error before it is dropped"
-    )
-    max_group_bytes: int = Field(
-        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group sent"
-    )
-
-
 @dataclass
 class _Item:
     group: RolloutGroup

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Largest serialized group a sender sends and a receiver parses (hivemind caps a message at 4 MiB).
-MAX_GROUP_BYTES = 3 * 1024 * 1024
+from echo_p2p.transport.rollout_config import MAX_GROUP_BYTES  # noqa: E402,F401  (re-export)
 
 
 def rollout_namespace(keys: SwarmKeys) -> str:

@@ -1,0 +1,99 @@
+"""Configs of the rollout transport (push ingest and sync pull), kept free of torch and hivemind.
+
+The CLIs validate every config before anything heavy starts, so these classes live apart from the
+servicers that use them (``rollout_push.py``, ``rollout_pull.py``, which re-export them).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Largest serialized rollout group that one stream message may carry (hivemind caps a message at 4 MiB).
+MAX_GROUP_BYTES = 3 * 1024 * 1024
+
+
+class IngestServerConfig(BaseModel):
+    """Limits of a trainer's rollout ingest RPC."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_groups_per_push: int = Field(
+        default=64, ge=1, description="Groups read from one push; the rest unread"
+    )
+    max_group_bytes: int = Field(
+        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed (bytes)"
+    )
+    stream_timeout: float = Field(default=30.0, gt=0, description="Deadline (s) to read one push stream")
+    refuse_when_full: bool = Field(
+        default=True,
+        description="Refuse (buffer_full, retryable) instead of evicting when the buffer is full",
+    )
+    accepted_ids_window: int = Field(
+        default=65536,
+        ge=1,
+        description="Accepted rollout ids remembered to acknowledge resends as duplicates",
+    )
+    max_tracked_senders: int = Field(default=4096, ge=1, description="Senders with their own counters")
+
+
+class PusherConfig(BaseModel):
+    """How an inference peer pushes rollouts to trainers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    outbox_groups: int = Field(
+        default=64, ge=1, description="Most unacknowledged groups held; submit blocks above"
+    )
+    batch_groups: int = Field(default=8, ge=1, description="Most groups per push")
+    push_timeout: float = Field(default=15.0, gt=0, description="Deadline (s) of one push, ack included")
+    retry_cooldown: float = Field(default=10.0, ge=0, description="Seconds a failed trainer is not pushed to")
+    refresh_period: float = Field(
+        default=2.0, gt=0, description="Seconds between two reads of the trainer list"
+    )
+    idle_wait: float = Field(default=0.5, gt=0, description="Seconds to wait when no trainer has room")
+    max_attempts: int = Field(
+        default=5, ge=1, description="Sends of a group refused with internal_error before it is dropped"
+    )
+    max_group_bytes: int = Field(
+        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group sent"
+    )
+
+
+class SampleServerConfig(BaseModel):
+    """Limits of an inference peer's sample RPC."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_prompts_per_request: int = Field(default=64, ge=1, description="Most prompt ids in one request")
+    max_completions: int = Field(default=64, ge=1, description="Most completions per prompt (G)")
+    max_new_tokens: int = Field(
+        default=1024, ge=1, description="Largest max_new_tokens a request may ask for"
+    )
+    max_concurrent: int = Field(default=1, ge=1, description="Requests sampled at once")
+    max_waiting: int = Field(
+        default=8, ge=0, description="Requests queued behind those; more are refused (busy)"
+    )
+    version_timeout: float = Field(
+        default=120.0, gt=0, description="Deadline (s) to get the requested version"
+    )
+    sample_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of the sampling itself")
+    max_group_bytes: int = Field(
+        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group sent"
+    )
+
+
+class SampleClientConfig(BaseModel):
+    """How a trainer asks inference peers for rollouts in sync mode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_timeout: float = Field(default=60.0, gt=0, description="Deadline (s) of one request to one peer")
+    max_prompts_per_request: int = Field(default=64, ge=1, description="Most prompt ids sent in one request")
+    retry_cooldown: float = Field(
+        default=30.0, ge=0, description="Seconds a failed peer is asked only as a last resort"
+    )
+    refresh_period: float = Field(default=2.0, gt=0, description="Seconds between two reads of the peer list")
+    idle_wait: float = Field(default=0.5, gt=0, description="Seconds to wait when no inference peer is found")
+    max_group_bytes: int = Field(
+        default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed"
+    )
