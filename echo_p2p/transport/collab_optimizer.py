@@ -1,0 +1,371 @@
+"""Gradient aggregation across the training swarm with ``hivemind.Optimizer``; its epoch is the policy version.
+
+Owned here: ``CollabOptimizerConfig`` (every knob of the collaborative optimizer, with settings proven on
+loopback), ``trainer_swarm_run_id`` (the optimizer's ``run_id``, derived from the echo run id: one per run,
+shared by every trainer of it), ``make_collab_optimizer`` (a ``hivemind.Optimizer`` wrapping AdamW over the
+policy's parameters), ``CollabTrainerStep`` (``Learner.compute_gradients`` then ``optimizer.step``, reporting
+whether a new policy version was reached) and ``shutdown_optimizer`` (bounded shutdown).
+Called by the trainer peer, tests and benchmarks. Must not compute losses (``echo_p2p.train`` does) nor
+publish weights (the weights transport does): it turns local gradients into swarm-wide optimizer epochs.
+
+How the trainers meet
+---------------------
+Every trainer of run ``R`` builds its optimizer with ``run_id = trainer_swarm_run_id(R)``. Each call of
+``CollabTrainerStep`` adds one local batch (``len(groups)`` rollout groups, by default) to the swarm's
+progress; once the trainers together reach ``target_batch_size`` groups, they average their accumulated
+gradients in one all-reduce round, every one of them applies the same AdamW update, and ``local_epoch``
+(the policy version) goes up by one on all of them. A lone trainer does the same with its own gradients.
+A trainer that joins late (or fell behind) sees a higher global epoch and downloads the parameters, the
+optimizer state and the epoch from a peer (``load_state_from_peers``): it catches up, and versions never
+diverge between trainers. hivemind's ``epoch`` is therefore echo_p2p's policy ``version``.
+
+Measured (``tests/integration/collab_trainer.py``; 2 shared CPU cores under load from other jobs, tiny policy,
+local steps of 4 groups x G=8 paced to ~0.24 s, ``target_batch_size=16`` groups, 10 epochs, medians):
+
+=====================================  ===========  ============================  ===============
+setting                                epoch (s)    blocked in ``step`` at the    local steps per
+                                                    epoch end (s)                 epoch, each
+=====================================  ===========  ============================  ===============
+lone trainer                           0.95         0.008                         4.0
+two trainers, ``matchmaking_time=1``   1.34         0.61                          3.0
+two trainers, ``matchmaking_time=2``   2.33         1.60                          2.9
+two trainers, ``matchmaking_time=.5``  0.86         0.13 (one round timed out:    2.9
+                                                    a 10 s stall in 10 epochs)
+=====================================  ===========  ============================  ===============
+
+A lone trainer skips the all-reduce, so its per-epoch overhead is ~0.01 s. With two or more, an epoch
+costs about ``matchmaking_time + 0.3 s`` of wall time whatever the compute below that (hivemind
+pre-schedules the round, and the trainers keep accumulating while it assembles: here 24 groups per epoch
+for a target of 16). Size ``target_batch_size`` so that an epoch's compute is several times
+``matchmaking_time`` (and several progress refreshes): with epochs of ~0.1 s of compute the trainers
+race through epochs solo, averaging rounds time out (``averaging_timeout`` stalls) and one of them keeps
+reloading state; with the paced settings above they average together from the first epoch.
+
+Traps (read STACK.md too)
+-------------------------
+- ``start_dht`` signs records with the peer's identity key, and the DHT keeps one RSA signature validator:
+  hivemind's progress tracker must sign with that same key, so pass ``private_key=identity.private_key``;
+  otherwise every progress record is rejected and the trainers never see each other.
+- The optimizer keeps its own (offloaded) copy of the parameters. Load checkpointed weights into the model
+  *before* ``make_collab_optimizer``, then ``optimizer.load_state_dict(state)`` (it carries the epoch;
+  the first epoch after a resume may take one progress refresh longer).
+- Never wait on ``tracker.global_progress.num_peers`` as a start barrier: a peer publishes progress only
+  after its first step. Peers may train solo for the first epoch or two and then synchronise by
+  loading state from each other.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from echo_p2p import PROTOCOL_VERSION
+from echo_p2p.net.keys import validate_run_id
+
+if TYPE_CHECKING:  # pragma: no cover
+    import hivemind
+    import torch
+
+    from echo_p2p.train.buffer import ScoredGroup
+    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.learner import Learner
+
+logger = logging.getLogger(__name__)
+
+
+def trainer_swarm_run_id(run_id: str) -> str:
+    """The ``hivemind.Optimizer`` run id of echo run ``run_id``: every trainer of the run uses this one, and
+    it carries the protocol version, so two runs or two protocol versions never average with each other."""
+    return f"echo-v{PROTOCOL_VERSION}-{validate_run_id(run_id)}-trainers"
+
+
+class CollabOptimizerConfig(BaseModel):
+    """Settings of the trainers' ``hivemind.Optimizer``. Every trainer of a run must use the same values,
+    except ``batch_size_per_step``, ``client_mode`` and ``verbose``, which are per peer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(
+        default=1e-6,
+        gt=0,
+        description="AdamW learning rate of each swarm-wide update (one per epoch). 1e-6 suits 0.1-7B "
+        "pretrained LMs; the tiny test policy learns at 1e-3..3e-3.",
+    )
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    target_batch_size: int = Field(
+        default=64,
+        ge=1,
+        description="Rollout groups (the unit of ``CollabTrainerStep``) that the trainers together "
+        "accumulate per epoch, i.e. per policy version. One epoch costs about ``matchmaking_time`` of "
+        "averaging when several trainers are present: make it large enough that compute dominates.",
+    )
+    batch_size_per_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="Groups one local step adds to the swarm's progress by default; None: the caller "
+        "passes ``batch_size`` to every ``step`` (``CollabTrainerStep`` always does).",
+    )
+    matchmaking_time: float = Field(
+        default=1.0,
+        gt=0,
+        description="Seconds an all-reduce waits for peers to join its group. 1.0 s works on loopback and "
+        "LANs; 3-5 s over the internet.",
+    )
+    averaging_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds after which an averaging round is cancelled (the trainer then proceeds with its "
+        "local gradients). About twice the real all-reduce time.",
+    )
+    request_timeout: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds a matchmaking request waits for the group leader; must be below "
+        "``matchmaking_time`` (hivemind deadlocks otherwise). Used by both gradient and state averagers.",
+    )
+    load_state_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a late or lagging trainer waits for one download of the swarm's state.",
+    )
+    average_state_every: int = Field(
+        default=1,
+        ge=1,
+        description="Average parameters and optimizer statistics with the other trainers every this many "
+        "epochs (a safety net against drift; gradient averaging alone keeps in-sync peers identical).",
+    )
+    delay_state_averaging: bool = Field(
+        default=True,
+        description="Average the state in a background thread and apply it at the next step (True, cheap), "
+        "or synchronously inside the epoch's step (False: one more matchmaking round per epoch).",
+    )
+    reuse_grad_buffers: bool = Field(
+        default=False,
+        description="Accumulate in the model's ``.grad`` instead of separate buffers (saves memory). Then "
+        "hivemind owns zeroing, ``CollabTrainerStep`` passes ``zero_grad=False``, and the Learner's "
+        "gradient-norm clip applies to the running sum instead of each step's gradient.",
+    )
+    compression: Literal["none", "float16"] = Field(
+        default="none",
+        description="Wire encoding of averaged gradients and state; state downloads by late joiners are "
+        "always exact.",
+    )
+    progress_refresh_min: float = Field(
+        default=0.5,
+        gt=0,
+        description="Shortest interval (s) between two reads of the swarm's progress from the DHT.",
+    )
+    progress_refresh_max: float = Field(
+        default=3.0,
+        gt=0,
+        description="Longest interval (s) between two reads of the swarm's progress; lower notices new "
+        "trainers sooner at the cost of DHT traffic.",
+    )
+    progress_expiration: float = Field(
+        default=30.0,
+        gt=0,
+        description="Lifetime (s) of a trainer's progress record: a trainer that vanished stops being "
+        "counted (and waited for) after this long.",
+    )
+    client_mode: bool | None = Field(
+        default=None,
+        description="Do not accept incoming averaging connections (behind NAT); None: as the DHT.",
+    )
+    shutdown_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds each averager may take to leave the swarm on shutdown."
+    )
+    verbose: bool = Field(default=False, description="Log hivemind's optimizer events at INFO level.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CollabOptimizerConfig:
+        if self.request_timeout >= self.matchmaking_time:
+            raise ValueError(
+                f"request_timeout ({self.request_timeout}) must be below matchmaking_time "
+                f"({self.matchmaking_time}), otherwise hivemind's matchmaking can deadlock"
+            )
+        if self.progress_refresh_min > self.progress_refresh_max:
+            raise ValueError("progress_refresh_min must not exceed progress_refresh_max")
+        return self
+
+    @classmethod
+    def from_grpo(cls, grpo: GRPOConfig, **overrides: Any) -> CollabOptimizerConfig:
+        """A config with the learner's AdamW settings (``lr``, ``weight_decay``, ``adam_betas``) plus
+        ``overrides``, so a trainer alone and a trainer swarm optimise the same way."""
+        base: dict[str, Any] = dict(lr=grpo.lr, weight_decay=grpo.weight_decay, betas=grpo.adam_betas)
+        return cls(**{**base, **overrides})
+
+
+def make_collab_optimizer(
+    dht: hivemind.DHT,
+    run_id: str,
+    params: Iterable[torch.Tensor],
+    config: CollabOptimizerConfig,
+    *,
+    private_key: Any | None = None,
+) -> hivemind.Optimizer:
+    """A ``hivemind.Optimizer`` (AdamW inside) over ``params`` for the trainers of echo run ``run_id``.
+
+    :param dht: a running DHT joined to the swarm (e.g. from ``echo_p2p.net.node.start_dht``)
+    :param run_id: the echo run id; the optimizer's own run id is ``trainer_swarm_run_id(run_id)``
+    :param params: the trainable parameters of the policy (load any checkpoint into them first)
+    :param private_key: the key the DHT signs records with (``identity.private_key`` when the DHT came
+        from ``start_dht``); None: hivemind's process-wide key, right for a plain ``hivemind.DHT``
+    Gradients are averaged once per epoch (``use_local_updates=False``): every trainer of an epoch applies the
+    same update. ``optimizer.local_epoch`` is the policy version.
+    """
+    import hivemind
+    import torch
+    from hivemind.compression import Float16Compression, NoCompression
+    from hivemind.optim.grad_averager import GradientAverager
+
+    compression = Float16Compression() if config.compression == "float16" else NoCompression()
+    lr, betas, eps, wd = config.lr, config.betas, config.eps, config.weight_decay
+
+    def adamw(parameters: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameters, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+
+    tracker_opts: dict[str, Any] = dict(
+        min_refresh_period=config.progress_refresh_min,
+        max_refresh_period=config.progress_refresh_max,
+        default_refresh_period=min(max(1.0, config.progress_refresh_min), config.progress_refresh_max),
+        metadata_expiration=config.progress_expiration,
+    )
+    if private_key is not None:
+        tracker_opts["private_key"] = private_key
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters to optimise")
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=trainer_swarm_run_id(run_id),
+        params=params,
+        optimizer=adamw,
+        target_batch_size=config.target_batch_size,
+        batch_size_per_step=config.batch_size_per_step,
+        use_local_updates=False,
+        matchmaking_time=config.matchmaking_time,
+        averaging_timeout=config.averaging_timeout,
+        load_state_timeout=config.load_state_timeout,
+        average_state_every=config.average_state_every,
+        delay_state_averaging=config.delay_state_averaging,
+        reuse_grad_buffers=config.reuse_grad_buffers,
+        client_mode=config.client_mode,
+        grad_compression=compression,
+        state_averaging_compression=compression,
+        averager_opts=dict(request_timeout=config.request_timeout),
+        grad_averager_factory=functools.partial(GradientAverager, request_timeout=config.request_timeout),
+        tracker_opts=tracker_opts,
+        shutdown_timeout=config.shutdown_timeout,
+        verbose=config.verbose,
+    )
+
+
+def shutdown_optimizer(optimizer: hivemind.Optimizer, timeout: float = 15.0) -> bool:
+    """Leave the swarm (progress record, averagers' child processes) within ``timeout`` seconds.
+    Returns False when it did not finish in time (the caller then shuts the DHT down regardless)."""
+    done = threading.Event()
+
+    def _run() -> None:
+        try:
+            optimizer.shutdown()
+        except Exception:  # already shut down, or an averager died: nothing left to do
+            logger.debug("optimizer shutdown raised", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=_run, name="collab-optimizer-shutdown", daemon=True).start()
+    if not done.wait(timeout):
+        logger.warning("hivemind.Optimizer did not shut down within %.0f s", timeout)
+        return False
+    return True
+
+
+@dataclass
+class CollabStepResult:
+    """What one ``CollabTrainerStep`` call did."""
+
+    stats: dict[str, float]  # the learner's stats of this local batch (loss, reward_mean, grad_norm, ...)
+    version_before: int  # local_epoch before the step
+    version: int  # local_epoch after it: the policy version the model now holds
+    batch_size: int  # progress this step reported (groups or sequences, see ``CollabTrainerStep``)
+    compute_s: float  # seconds in forward/backward
+    optimizer_s: float  # seconds in ``optimizer.step`` (accumulation; averaging and update at an epoch end)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def advanced(self) -> bool:
+        """True when this step reached a new policy version (an epoch ended, or state was loaded)."""
+        return self.version > self.version_before
+
+    @property
+    def caught_up(self) -> bool:
+        """True when the version jumped by more than one: state was downloaded from other trainers."""
+        return self.version > self.version_before + 1
+
+
+class CollabTrainerStep:
+    """One local training step of a trainer in the swarm: GRPO gradients, then ``optimizer.step``.
+
+    ``batch_unit`` says what counts towards ``target_batch_size``: ``"groups"`` (default: rollout groups,
+    the unit the replay buffer hands out) or ``"sequences"`` (completions). The gradient of each call is the
+    learner's (token-)mean over its batch; hivemind averages the calls of an epoch weighted by batch size.
+    A step whose gradients were computed on an out-of-date policy is discarded by hivemind (it loads the
+    swarm's state instead); ``result.caught_up`` tells the caller.
+    """
+
+    def __init__(
+        self,
+        learner: Learner,
+        optimizer: hivemind.Optimizer,
+        batch_unit: Literal["groups", "sequences"] = "groups",
+    ) -> None:
+        if batch_unit not in ("groups", "sequences"):
+            raise ValueError(f"batch_unit must be 'groups' or 'sequences', got {batch_unit!r}")
+        self.learner = learner
+        self.optimizer = optimizer
+        self.batch_unit = batch_unit
+        averager = getattr(optimizer, "grad_averager", None)
+        self._zero_grad = not (averager is not None and averager.reuse_grad_buffers)
+
+    @property
+    def version(self) -> int:
+        """The policy version this trainer holds (the optimizer's local epoch)."""
+        return int(self.optimizer.local_epoch)
+
+    def settle(self) -> None:
+        """Wait for background state averaging (``delay_state_averaging``) and apply its result, so the
+        model holds the swarm's final parameters of this version: call before a checkpoint or a result."""
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+
+    def batch_size_of(self, groups: Sequence[ScoredGroup]) -> int:
+        if self.batch_unit == "groups":
+            return len(groups)
+        return sum(len(g.group.completions) for g in groups)
+
+    def __call__(self, groups: Sequence[ScoredGroup]) -> CollabStepResult:
+        if not groups:
+            raise ValueError("a collaborative step needs at least one group")
+        before = self.version
+        t0 = time.perf_counter()
+        stats = self.learner.compute_gradients(groups, zero_grad=self._zero_grad)
+        t1 = time.perf_counter()
+        batch_size = self.batch_size_of(groups)
+        self.optimizer.step(batch_size=batch_size)
+        t2 = time.perf_counter()
+        return CollabStepResult(
+            stats=stats,
+            version_before=before,
+            version=self.version,
+            batch_size=batch_size,
+            compute_s=t1 - t0,
+            optimizer_s=t2 - t1,
+        )

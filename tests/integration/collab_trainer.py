@@ -1,0 +1,218 @@
+"""A trainer process for the collaborative-optimizer tests and measurements (not a pytest module).
+
+Starts a DHT on 127.0.0.1 (``start_dht`` with an ephemeral identity, bootstrapping from ``--initial-peer``
+when given), builds the tiny policy (same seed on every trainer) and a ``hivemind.Optimizer`` through
+``make_collab_optimizer``, then trains on the ``count`` task with rollouts it samples itself from
+``--data-seed`` (so two trainers see different data) until its optimizer epoch reaches ``--until-epoch``.
+``--join-file`` holds a late trainer back (imports done, model built) before it joins the DHT, and
+``--start-file`` holds training back until the test has every trainer up. Once at the target epoch it
+waits for background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
+JSON; parameters in ``<result>.pt``, both atomically) and keeps its averagers serving state until
+``--hold-file`` appears or ``--hold-seconds`` pass, so a late trainer can load state from it. Every wait is
+bounded; SIGTERM shuts the optimizer and the DHT down. The per-step timings (``compute_s``,
+``optimizer_s``, epoch before/after, peers seen) are what the epoch-overhead figures in
+``echo_p2p/transport/collab_optimizer.py`` were computed from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--initial-peer", default=None, help="multiaddr of a running trainer to bootstrap from")
+    p.add_argument("--maddrs-file", default=None, help="write this node's multiaddrs here once it is up")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--model-seed", type=int, default=0)
+    p.add_argument("--until-epoch", type=int, default=3)
+    p.add_argument("--prompts-per-step", type=int, default=4, help="rollout groups per local step")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--target-batch-size", type=int, default=8, help="groups per epoch, all trainers")
+    p.add_argument("--matchmaking-time", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--result", required=True, help="JSON result; parameters go to <result>.pt")
+    p.add_argument("--join-file", default=None, help="wait (bounded) for this file before joining the DHT")
+    p.add_argument("--ready-file", default=None, help="created once the optimizer is built")
+    p.add_argument("--start-file", default=None, help="wait (bounded) for this file before training")
+    p.add_argument("--hold-file", default=None, help="after the result, serve state until this file exists")
+    p.add_argument("--hold-seconds", type=float, default=60.0)
+    p.add_argument("--max-seconds", type=float, default=60.0, help="give up training after this long")
+    p.add_argument("--step-pause", type=float, default=0.0, help="sleep between local steps (seconds)")
+    return p.parse_args(argv)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _wait_for(path: str | None, stop: threading.Event, timeout: float = 90.0) -> bool:
+    """True once ``path`` exists (or when no path is given); False on timeout or SIGTERM."""
+    deadline = time.monotonic() + timeout
+    while path and not Path(path).exists():
+        if stop.is_set() or time.monotonic() > deadline:
+            return False
+        stop.wait(0.05)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    import torch
+
+    torch.set_num_threads(1)
+    from echo_p2p.config import NetworkConfig
+    from echo_p2p.ml.engine import SamplingParams, TransformersEngine
+    from echo_p2p.ml.models import build_tiny_policy
+    from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
+    from echo_p2p.rollout import Completion, RolloutGroup
+    from echo_p2p.tasks import build_task
+    from echo_p2p.train.buffer import ScoredGroup
+    from echo_p2p.train.learner import GRPOConfig, Learner
+    from echo_p2p.transport.collab_optimizer import (
+        CollabOptimizerConfig,
+        CollabTrainerStep,
+        make_collab_optimizer,
+        shutdown_optimizer,
+    )
+
+    model, tokenizer = build_tiny_policy(args.model_seed)
+    if not _wait_for(args.join_file, stop):
+        print("join file never appeared", flush=True)
+        return 3
+    t_start = time.monotonic()
+    identity = load_or_create_identity(None)
+    network = NetworkConfig(
+        initial_peers=[args.initial_peer] if args.initial_peer else [],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        startup_timeout=30,
+    )
+    dht = start_dht(network, identity, [SwarmKeys(args.run_id)])
+    if args.maddrs_file:
+        _write_atomic(Path(args.maddrs_file), "\n".join(visible_maddrs(dht)).encode())
+
+    grpo = GRPOConfig(lr=args.lr, micro_batch_size=64, pad_token_id=tokenizer.pad_token_id)
+    learner = Learner(model, grpo)
+    config = CollabOptimizerConfig.from_grpo(
+        grpo,
+        target_batch_size=args.target_batch_size,
+        matchmaking_time=args.matchmaking_time,
+        request_timeout=min(0.5, args.matchmaking_time / 2),
+        progress_refresh_max=1.0,
+    )
+    opt = make_collab_optimizer(
+        dht, args.run_id, model.parameters(), config, private_key=identity.private_key
+    )
+    trainer = CollabTrainerStep(learner, opt)
+    task = build_task("count")
+    engine = TransformersEngine(model, tokenizer)
+    rng = random.Random(args.data_seed)
+    steps: list[dict] = []
+    print(f"ready in {time.monotonic() - t_start:.1f}s", flush=True)
+    if args.ready_file:
+        _write_atomic(Path(args.ready_file), identity.peer_id.encode())
+
+    try:
+        if not _wait_for(args.start_file, stop):
+            print("start file never appeared", flush=True)
+            return 3
+        deadline = time.monotonic() + args.max_seconds
+        step = 0
+        while trainer.version < args.until_epoch and not stop.is_set():
+            if time.monotonic() > deadline:
+                print(f"gave up at epoch {trainer.version}", flush=True)
+                return 2
+            ids = task.sample_prompt_ids(rng, args.prompts_per_step)
+            prompts = encode_prompts(tokenizer, [task.prompt(i) for i in ids], use_chat_template=False)
+            params = SamplingParams(
+                temperature=1.0, max_new_tokens=task.max_new_tokens, seed=args.data_seed * 100_000 + step
+            )
+            t0 = time.perf_counter()
+            samples = engine.sample(prompts, args.group_size, params)
+            sample_s = time.perf_counter() - t0
+            groups = []
+            for pid, prompt, group in zip(ids, prompts, samples, strict=True):
+                texts = [decode_completion(tokenizer, s.token_ids) for s in group]
+                rewards = task.score_batch([pid] * len(texts), texts)
+                comps = [
+                    Completion(token_ids=s.token_ids, logprobs=s.logprobs, claimed_reward=r)
+                    for s, r in zip(group, rewards, strict=True)
+                ]
+                rg = RolloutGroup(
+                    task="count",
+                    prompt_id=pid,
+                    prompt_token_ids=prompt,
+                    completions=comps,
+                    policy_version=trainer.version,
+                )
+                groups.append(ScoredGroup(rg, rewards))
+            res = trainer(groups)
+            steps.append(
+                dict(
+                    t=time.monotonic(),
+                    before=res.version_before,
+                    after=res.version,
+                    sample_s=sample_s,
+                    compute_s=res.compute_s,
+                    optimizer_s=res.optimizer_s,
+                    reward=res.stats["reward_mean"],
+                    peers=opt.tracker.global_progress.num_peers,
+                )
+            )
+            print(
+                f"step {step}: epoch {res.version_before}->{res.version} compute {res.compute_s:.3f}s "
+                f"opt {res.optimizer_s:.3f}s reward {res.stats['reward_mean']:.3f}",
+                flush=True,
+            )
+            step += 1
+            if args.step_pause:
+                time.sleep(args.step_pause)
+
+        trainer.settle()
+        result = Path(args.result)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        tmp_pt = result.with_name(result.name + ".pt.tmp")
+        torch.save({"epoch": trainer.version, "state": state}, tmp_pt)
+        os.replace(tmp_pt, result.with_name(result.name + ".pt"))
+        _write_atomic(
+            result,
+            json.dumps(dict(epoch=trainer.version, steps=steps, peer_id=identity.peer_id)).encode(),
+        )
+        print(f"result written at epoch {trainer.version}", flush=True)
+
+        hold_until = time.monotonic() + args.hold_seconds
+        while not stop.is_set() and time.monotonic() < hold_until:
+            if args.hold_file and Path(args.hold_file).exists():
+                break
+            stop.wait(0.1)
+        return 0
+    finally:
+        t0 = time.monotonic()
+        clean = shutdown_optimizer(opt, timeout=10)
+        t1 = time.monotonic()
+        stop_dht(dht, timeout=10)
+        print(
+            f"optimizer shutdown {t1 - t0:.1f}s (clean={clean}), DHT {time.monotonic() - t1:.1f}s", flush=True
+        )
+        identity.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The co-located baseline: the real CLI learns ``count`` with the tiny preset, and its config guards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from echo_p2p.metrics import read_metrics
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(150)
+
+STEPS = 80
+WINDOW = 20
+
+
+def test_colocated_cli_reward_rises_on_count(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo_p2p.colocated",
+            "--task",
+            "count",
+            "--steps",
+            str(STEPS),
+            "--metrics-dir",
+            str(tmp_path),
+            "--threads",
+            "1",  # on a shared 2-core machine one thread is faster than two
+            "--seed",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = read_metrics(str(tmp_path / "colocated-baseline.jsonl"))
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    first = sum(r["reward_mean"] for r in records[:WINDOW]) / WINDOW
+    last = sum(r["reward_mean"] for r in records[-WINDOW:]) / WINDOW
+    print(
+        f"colocated: reward first-{WINDOW} {first:.3f}, last-{WINDOW} {last:.3f}, {time.monotonic() - t0:.1f}s"
+    )
+    assert last > first + 0.3, (first, last)
+    r = records[-1]
+    assert r["rollouts"] == 16 and r["completions"] == 256 and r["rollouts_consumed"] == 16 * STEPS
+    assert r["role"] == "colocated" and r["sampling_s"] > 0 and r["training_s"] > 0
+    assert r["wall_s"] >= sum(x["sampling_s"] + x["training_s"] for x in records) * 0.99
+    assert "reward_first=" in out.stdout
+
+
+def test_help_does_not_import_torch() -> None:
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['colocated', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('echo_p2p.colocated', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "--duration" in out.stdout and out.stdout.strip().endswith("NO-TORCH"), out.stdout + out.stderr
+
+
+def test_config_guards() -> None:
+    from echo_p2p.colocated import ColocatedConfig
+    from echo_p2p.ml.engine import SamplingParams
+    from echo_p2p.train.learner import GRPOConfig
+
+    cfg = ColocatedConfig()
+    assert isinstance(cfg.grpo, GRPOConfig) and cfg.grpo.lr == 2e-3 and cfg.steps == 300
+    assert ColocatedConfig(grpo={"lr": 1e-3}).grpo.micro_batch_size == 256  # defaults fill the rest
+    with pytest.raises(ValueError, match="temperature"):
+        ColocatedConfig(sampling=SamplingParams(temperature=0.7, max_new_tokens=7))
+    with pytest.raises(ValueError, match="needs an end"):
+        ColocatedConfig(steps=None, duration=None)
+    with pytest.raises(ValueError):
+        ColocatedConfig(grpo={"no_such_knob": 1})
