@@ -16,7 +16,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from echo_p2p.ml.engine import SamplingParams
+from echo_p2p.ml.models import ModelSpec
 from echo_p2p.net.keys import validate_run_id
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
+from echo_p2p.transport.rollout_config import (
+    IngestServerConfig,
+    PusherConfig,
+    SampleClientConfig,
+    SampleServerConfig,
+)
+from echo_p2p.weights.config import EncodingConfig
 
 PUBLIC_BOOTSTRAP_PORT = 31337
 
@@ -117,6 +128,104 @@ class NetworkConfig(StrictModel):
         return [_check_maddr(v) for v in value]
 
 
+class RunSettings(StrictModel):
+    """What every peer of a run must agree on: the policy, the task, the group size, how to sample."""
+
+    model: ModelSpec = Field(
+        default_factory=lambda: ModelSpec(preset="tiny"), description="The policy (default: the tiny preset)"
+    )
+    task: str = Field(default="count", description="Task name (count, letter, arithmetic, sokoban, plugin)")
+    task_options: dict[str, Any] = Field(default_factory=dict, description="Options of the task")
+    group_size: int = Field(default=16, ge=2, le=1024, description="G: completions sampled per prompt")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature; the trainer's importance ratio uses the same"
+    )
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off)")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off)")
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="Completion length cap; None: the task's own cap"
+    )
+
+    def sampling_params(self, task_max_new_tokens: int, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens or task_max_new_tokens,
+            seed=seed,
+        )
+
+
+class InferenceSection(StrictModel):
+    """Settings of an inference peer."""
+
+    engine: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="Sampling engine (vllm: CUDA only, optional extra)"
+    )
+    trusted_trainers: str | None = Field(
+        default=None,
+        description="File of the trainers' public keys / peer ids that this peer accepts weights from "
+        "(docs/trust.md); required",
+    )
+    prompts_per_batch: int = Field(default=16, ge=1, le=4096, description="Prompts sampled together (async)")
+    threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
+    seed: int | None = Field(default=None, description="Seed of prompt choice and sampling (None: random)")
+    first_version_timeout: float = Field(
+        default=600.0, gt=0, description="Seconds to wait for the first policy version before giving up"
+    )
+    serve_weights: bool = Field(
+        default=True, description="Serve the policy chunks this peer holds to other peers (peer assistance)"
+    )
+    weights_poll_period: float = Field(
+        default=0.25, gt=0, le=600, description="Async: seconds between two checks for a newer policy version"
+    )
+    pusher: PusherConfig = Field(default_factory=PusherConfig, description="Async mode: pushing rollouts")
+    sample_server: SampleServerConfig = Field(
+        default_factory=SampleServerConfig, description="Sync mode: limits of the sample RPC"
+    )
+
+
+class TrainerSection(StrictModel):
+    """Settings of a trainer peer."""
+
+    prompts_per_step: int = Field(default=16, ge=1, le=4096, description="Rollout groups per GRPO step")
+    grpo: GRPOConfig = Field(
+        default_factory=lambda: GRPOConfig(lr=2e-3, micro_batch_size=256), description="GRPO hyperparameters"
+    )
+    collab: CollabOptimizerConfig = Field(
+        default_factory=lambda: CollabOptimizerConfig(lr=2e-3, target_batch_size=16),
+        description="hivemind.Optimizer across trainers (lr, target batch in groups, matchmaking)",
+    )
+    max_staleness: int = Field(
+        default=4, ge=0, le=64, description="Async: drop rollouts more than this many versions old"
+    )
+    buffer_capacity: int | None = Field(
+        default=None, ge=1, description="Replay buffer size in groups (None: from batch and staleness)"
+    )
+    reward_tolerance: float = Field(
+        default=1e-3, ge=0, description="Largest claimed-vs-rescored reward gap not counted as forged"
+    )
+    max_prompt_tokens: int = Field(default=1024, ge=1, description="Longest prompt accepted (tokens)")
+    encoding: EncodingConfig = Field(
+        default_factory=lambda: EncodingConfig(keyframe_interval=10), description="How versions are published"
+    )
+    checkpoint_dir: str | None = Field(default=None, description="Write checkpoints here (None: none)")
+    checkpoint_every: int = Field(default=10, ge=1, description="Versions between two checkpoints")
+    resume: bool = Field(default=False, description="Continue from the newest checkpoint in checkpoint_dir")
+    sync_timeout: float = Field(default=60.0, gt=0, description="Sync: deadline (s) to collect one batch")
+    threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
+    seed: int | None = Field(default=None, description="Seed of prompt choice (None: random)")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many versions (None: never)"
+    )
+    ingest_server: IngestServerConfig = Field(
+        default_factory=IngestServerConfig, description="Async mode: limits of the ingest RPC"
+    )
+    sample_client: SampleClientConfig = Field(
+        default_factory=SampleClientConfig, description="Sync mode: asking inference peers"
+    )
+
+
 class PeerConfig(StrictModel):
     """A peer of a run (``python -m echo_p2p.peer``)."""
 
@@ -142,6 +251,11 @@ class PeerConfig(StrictModel):
         default=None, gt=0, le=3600, description="Lifetime (s) of an announcement; default 3 heartbeats"
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level")
+    run: RunSettings = Field(default_factory=RunSettings, description="What all peers of the run agree on")
+    inference: InferenceSection = Field(
+        default_factory=InferenceSection, description="Inference peer settings"
+    )
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer peer settings")
 
     @field_validator("run_id")
     @classmethod
@@ -153,6 +267,11 @@ class PeerConfig(StrictModel):
         if not self.network.initial_peers:
             raise ValueError(
                 "network.initial_peers is empty: pass --initial-peers with the multiaddr a bootstrap printed"
+            )
+        if self.role == "inference" and not self.inference.trusted_trainers:
+            raise ValueError(
+                "inference.trusted_trainers is not set: an inference peer accepts policy weights only from "
+                "trusted trainers; pass --trusted-trainers FILE (see docs/trust.md)"
             )
         if self.record_ttl is None:
             object.__setattr__(self, "record_ttl", 3 * self.heartbeat_period)
@@ -196,6 +315,7 @@ ENV_VARS: dict[str, str] = {
     "ECHO_HOST_MADDRS": "network.host_maddrs",
     "ECHO_ANNOUNCE_MADDRS": "network.announce_maddrs",
     "ECHO_IDENTITY_PATH": "network.identity_path",
+    "ECHO_TRUSTED_TRAINERS": "inference.trusted_trainers",
 }
 #: The subset that makes sense for a bootstrap peer.
 BOOTSTRAP_ENV_VARS: dict[str, str] = {
@@ -260,6 +380,9 @@ def build_config(
     for dotted, value in (flags or {}).items():
         if value is not None:
             set_dotted(data, dotted, value)
+    model = data.get("run", {}).get("model") if isinstance(data.get("run"), dict) else None
+    if isinstance(model, dict) and not {"preset", "path", "gguf_file"} & model.keys():
+        model["preset"] = "tiny"  # e.g. only --quantize given: the default model, quantised
     try:
         return cls.model_validate(data)
     except ValidationError as exc:

@@ -31,7 +31,10 @@ class LocalSwarmConfig:
     trainers: int = 1
     inference: int = 2
     mode: str = "async"
-    duration: float = 30.0  # seconds; 0 = until Ctrl-C
+    duration: float = 60.0  # seconds; 0 = until Ctrl-C
+    task: str = "count"
+    model: str = "tiny"
+    extra_peer_args: tuple[str, ...] = ()
     status_period: float = 5.0
     heartbeat_period: float = 2.0
     workdir: str = field(default_factory=lambda: os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
@@ -103,11 +106,41 @@ class LocalSwarm:
             str(self.workdir / "metrics"),
             "--heartbeat-period",
             str(self.config.heartbeat_period),
+            "--threads",
+            "1",
+            "--task",
+            self.config.task,
+            "--model",
+            self.config.model,
+            *self.config.extra_peer_args,
         ]
+        trusted = self.make_trainer_identities()
         for i in range(self.config.trainers):
-            self._spawn(f"trainer-{i}", "-m", "echo_p2p.peer", "--role", "trainer", *common)
+            self._spawn(
+                f"trainer-{i}",
+                *("-m", "echo_p2p.peer", "--role", "trainer", *common),
+                *("--identity-path", str(self.workdir / "identities" / f"trainer-{i}.id")),
+                *("--checkpoint-dir", str(self.workdir / "checkpoints" / f"trainer-{i}")),
+            )
         for i in range(self.config.inference):
-            self._spawn(f"inference-{i}", "-m", "echo_p2p.peer", "--role", "inference", *common)
+            self._spawn(
+                f"inference-{i}",
+                *("-m", "echo_p2p.peer", "--role", "inference", *common),
+                *("--trusted-trainers", str(trusted), "--seed", str(1000 + i)),
+            )
+
+    def make_trainer_identities(self) -> Path:
+        """Create the trainers' identities up front and the run's trusted-trainers file from them."""
+        from echo_p2p.net.identity import load_or_create_identity
+        from echo_p2p.transport.trust import trainer_key_line
+
+        lines = ["# trainers of this local run (python -m echo_p2p.transport.trust IDENTITY prints a line)"]
+        for i in range(self.config.trainers):
+            identity = load_or_create_identity(str(self.workdir / "identities" / f"trainer-{i}.id"))
+            lines.append(trainer_key_line(identity))
+        path = self.workdir / "trusted-trainers.txt"
+        path.write_text("\n".join(lines) + "\n")
+        return path
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
@@ -137,6 +170,29 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def training_progress(metrics_dir: Path) -> list[dict]:
+    """Every per-step line the trainers wrote so far (those with a ``step`` field), oldest first."""
+    from echo_p2p.metrics import read_metrics
+
+    lines: list[dict] = []
+    for path in sorted(metrics_dir.glob("trainer-*.jsonl")) if metrics_dir.exists() else []:
+        lines += [x for x in read_metrics(str(path)) if "step" in x and "reward_mean" in x]
+    return sorted(lines, key=lambda x: x["time"])
+
+
+def format_progress(lines: list[dict], window: int = 10) -> str:
+    last = lines[-window:]
+    reward = sum(x["reward_mean"] for x in last) / len(last)
+    first = lines[:window]
+    reward0 = sum(x["reward_mean"] for x in first) / len(first)
+    newest = lines[-1]
+    return (
+        f"training: step {newest['step']}, version {newest['version']}, reward {reward:.3f} "
+        f"(first {len(first)} steps: {reward0:.3f}), rollouts consumed {newest.get('rollouts_consumed')}, "
+        f"dropped stale {newest.get('dropped_stale', 0)}, trainer idle {100 * newest.get('idle_fraction', 0):.0f}%"
+    )
+
+
 def watch(swarm: LocalSwarm) -> int:
     """Print the run's status table until the duration ends, Ctrl-C, or a child dies; returns an exit code."""
     from echo_p2p.config import NetworkConfig
@@ -158,6 +214,9 @@ def watch(swarm: LocalSwarm) -> int:
         while not swarm.stop_event.is_set():
             rows = peer_rows(directory.peers(), time.time())
             print(f"\n[{time.monotonic() - t0:5.1f} s] " + format_table(config.run_id, rows), flush=True)
+            progress = training_progress(swarm.workdir / "metrics")
+            if progress:
+                print(format_progress(progress), flush=True)
             dead = [c for c in swarm.dead_children()]
             if dead:
                 for c in dead:
@@ -183,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainers", type=int, default=d.trainers, help="number of trainer peers")
     parser.add_argument("--inference", type=int, default=d.inference, help="number of inference peers")
     parser.add_argument("--mode", choices=["sync", "async"], default=d.mode)
+    parser.add_argument(
+        "--task", default=d.task, help="task of the run (default: count, learnable in minutes)"
+    )
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default=d.model, help="model preset")
     parser.add_argument("--duration", type=float, default=d.duration, help="seconds to run; 0 = until Ctrl-C")
     parser.add_argument("--status-period", type=float, default=d.status_period, help="seconds between tables")
     parser.add_argument(
@@ -206,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         trainers=args.trainers,
         inference=args.inference,
         mode=args.mode,
+        task=args.task,
+        model=args.model,
         duration=args.duration,
         status_period=args.status_period,
     )
@@ -229,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         swarm.shutdown()
         print(f"stopped {len(swarm.children)} processes; logs and metrics in {swarm.workdir}", flush=True)
+        progress = training_progress(swarm.workdir / "metrics")
+        if progress:
+            print("summary: " + format_progress(progress), flush=True)
     sys.exit(code)
 
 

@@ -46,6 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--record-ttl", type=float, metavar="S", default=None, help="lifetime of an announcement"
     )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
+    run = parser.add_argument_group("run (every peer of a run must agree)")
+    run.add_argument("--model", choices=["tiny", "smollm2"], default=None, help="built-in model preset")
+    run.add_argument("--model-path", metavar="DIR", default=None, help="a local model directory instead")
+    run.add_argument("--gguf-file", metavar="FILE", default=None, help="a GGUF file instead")
+    run.add_argument("--task", default=None, help="task: count, letter, arithmetic, sokoban, plugin")
+    run.add_argument("--group-size", type=int, default=None, help="completions per prompt (G)")
+    run.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    run.add_argument("--max-new-tokens", type=int, default=None, help="completion length cap")
+    inf = parser.add_argument_group("inference")
+    inf.add_argument(
+        "--trusted-trainers",
+        metavar="FILE",
+        default=None,
+        help="keys of the trainers whose weights this peer accepts (env ECHO_TRUSTED_TRAINERS; docs/trust.md)",
+    )
+    inf.add_argument("--engine", choices=["transformers", "vllm"], default=None, help="sampling engine")
+    inf.add_argument("--quantize", choices=["8bit", "4bit"], default=None, help="load the policy in 8/4-bit")
+    inf.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0")
+    tr = parser.add_argument_group("trainer")
+    tr.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints here")
+    tr.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
+    tr.add_argument("--max-steps", type=int, default=None, help="stop after this many training steps")
+    tr.add_argument("--lr", type=float, default=None, help="learning rate of the trainers' AdamW")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=None, help="seed of prompt choice and sampling")
     add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/0: all interfaces, a free port")
     return parser
 
@@ -63,8 +88,30 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "heartbeat_period": args.heartbeat_period,
         "record_ttl": args.record_ttl,
         "log_level": args.log_level,
+        "run.task": args.task,
+        "run.group_size": args.group_size,
+        "run.temperature": args.temperature,
+        "run.max_new_tokens": args.max_new_tokens,
+        "inference.trusted_trainers": args.trusted_trainers,
+        "inference.engine": args.engine,
+        "trainer.checkpoint_dir": args.checkpoint_dir,
+        "trainer.resume": args.resume,
+        "trainer.max_steps": args.max_steps,
+        "trainer.collab.lr": args.lr,
         **network_flags(args),
     }
+    model: dict[str, str] = {}
+    for key, value in (("preset", args.model), ("path", args.model_path), ("gguf_file", args.gguf_file)):
+        if value is not None:
+            model[key] = value
+    if model:  # a model source on the command line replaces the config file's model
+        flags["run.model"] = model
+    for key, value in (("quantize", args.quantize), ("device", args.device)):
+        if value is not None:
+            flags[f"run.model.{key}"] = value
+    for section in ("inference", "trainer"):
+        flags[f"{section}.threads"] = args.threads
+        flags[f"{section}.seed"] = args.seed
     return build_config(
         PeerConfig, yaml_path=args.config, environ=os.environ if environ is None else environ, flags=flags
     )
@@ -87,6 +134,13 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(argv)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
+    if config.role == "inference":
+        from echo_p2p.transport.trust import TrustedTrainers, TrustFileError
+
+        try:
+            TrustedTrainers.from_file(os.path.expanduser(config.inference.trusted_trainers))
+        except (TrustFileError, OSError) as exc:
+            fail(f"--trusted-trainers: {exc}", EXIT_CONFIG)
     from echo_p2p.logs import setup_logging
 
     setup_logging(config.log_level)
@@ -99,7 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(exc), EXIT_START)
     install_stop_handlers(peer.request_stop)
     try:
-        peer.start()
+        try:
+            peer.start()
+        except (FileNotFoundError, ValueError) as exc:  # a model not on disk, a task option, a bad file
+            raise NodeStartError(f"the {config.role} peer could not start: {exc}") from exc
         peer.run()
     except NodeStartError as exc:
         peer.shutdown()

@@ -1,15 +1,24 @@
 """The inference peer: holds a policy version, samples and scores rollouts, sends them to trainers.
 
-Owned here: the inference role's record fields and figures. Its engine, weight fetching and rollout
-streaming are wired in by the weights and inference layers (``echo_p2p.weights``, ``echo_p2p.ml``);
-until a policy version is fetched, ``policy_version`` stays None and the peer announces no throughput.
+Owned here: wiring the pure-ML layer (model, engine, task) to the network for one inference peer — the
+weight fetcher (trusted trainers' versions only, applied atomically, served on to other peers), and either
+the async push loop (sample continuously with the newest version, push version-tagged groups to the
+trainer with the most room, never pile up) or the sync sample RPC (a trainer names prompts and a version;
+the peer updates to it first, then samples). The engine's version and the version written into every
+rollout change together, under one lock: a group is never tagged with a version that did not sample it.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+import threading
+import time
 from typing import Any
 
 from echo_p2p.roles.base import BasePeer
+
+logger = logging.getLogger(__name__)
 
 
 class InferencePeer(BasePeer):
@@ -17,11 +26,238 @@ class InferencePeer(BasePeer):
 
     def __init__(self, config, identity=None):
         super().__init__(config, identity)
+        self.section = config.inference
         self.tokens_per_second: float | None = None
         self.rollouts_per_second: float | None = None
+        self.groups_sampled = 0
+        self.tokens_sampled = 0
+        self.sampling_seconds = 0.0
+        self.weights_wait_seconds = 0.0
+        self.room_wait_seconds = 0.0
+        self.engine = None
+        self.fetcher = None
+        self.pusher = None
+        self.loop = None
+        self.sample_server = None
+        self._engine_lock = threading.Lock()  # engine weights + self.policy_version change together
+        self._rng = random.Random(self.section.seed)
+        self._started_work = time.monotonic()
 
+    # ---- setup ------------------------------------------------------------------------------------------
+    def on_start(self) -> None:
+        from echo_p2p.ml.models import load_policy
+        from echo_p2p.tasks import build_task
+        from echo_p2p.transport.rollouts import P2PLoop, rollout_namespace
+        from echo_p2p.transport.trust import TrustedTrainers
+        from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+
+        run, section = self.config.run, self.section
+        if section.threads:
+            import torch
+
+            torch.set_num_threads(section.threads)
+        trusted = TrustedTrainers.from_file(section.trusted_trainers)
+        self.task = build_task(run.task, run.task_options)
+        self.params = run.sampling_params(self.task.max_new_tokens)
+        if section.engine == "vllm":
+            from echo_p2p.ml.engine_vllm import VllmEngine
+
+            self.engine = VllmEngine(run.model)
+            self.tokenizer = self.engine.tokenizer
+        else:
+            from echo_p2p.ml.engine import TransformersEngine
+
+            model, self.tokenizer = load_policy(run.model)
+            self.engine = TransformersEngine(model, self.tokenizer)
+        self.fetcher = WeightFetcher(
+            self.dht,
+            self.identity,
+            self.keys,
+            trusted,
+            FetcherConfig(serve=section.serve_weights, poll_period=section.weights_poll_period),
+        ).start()
+        self.loop = P2PLoop.from_dht(self.dht)
+        namespace = rollout_namespace(self.keys)
+        if self.config.mode == "async":
+            from echo_p2p.transport.rollout_push import RolloutPusher
+
+            self.pusher = RolloutPusher(self.loop, self.directory, section.pusher, namespace).start()
+            self.fetcher.follow(on_update=self._load)
+        else:
+            from echo_p2p.transport.rollout_pull import SampleServicer
+
+            self.sample_server = SampleServicer(
+                {self.task.name: self.task},
+                self._ensure_version,
+                self._sample_for_request,
+                section.sample_server,
+            )
+            self.loop.add_servicer(self.sample_server, namespace)
+
+    def _load(self, weights) -> None:
+        """Put a newly fetched version into the engine (called by the fetcher's follower thread)."""
+        tensors = weights.tensors
+        with self._engine_lock:
+            if self.policy_version is not None and weights.version <= self.policy_version:
+                return
+            self.engine.load_weights(tensors)
+            self.policy_version = weights.version
+        logger.info("%s now samples with policy version %d", self.prefix(), weights.version)
+
+    def _ensure_version(self, version: int) -> bool:
+        """Sync mode: hold ``version`` (fetching it if needed) before sampling; False if nobody published it."""
+        t0 = time.monotonic()
+        try:
+            if self.policy_version is None or self.policy_version < version:
+                weights = self.fetcher.ensure_version(
+                    version, timeout=self.section.sample_server.version_timeout
+                )
+                self._load(weights)
+        except TimeoutError:
+            return False
+        finally:
+            self.weights_wait_seconds += time.monotonic() - t0
+        return self.policy_version == version
+
+    # ---- sampling -----------------------------------------------------------------------------------
+    def _sample(self, prompt_ids: list[int], n: int, max_new_tokens: int | None = None) -> list:
+        """Sample ``n`` completions of each prompt with the held version, score them, build groups."""
+        from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
+        from echo_p2p.rollout import Completion, RolloutGroup
+
+        run = self.config.run
+        texts = [self.task.prompt(i) for i in prompt_ids]
+        prompts = encode_prompts(self.tokenizer, texts, run.model.use_chat_template)
+        params = self.params
+        if max_new_tokens:
+            params = params.model_copy(update={"max_new_tokens": max_new_tokens})
+        t0 = time.monotonic()
+        with self._engine_lock:
+            version = self.policy_version
+            samples = self.engine.sample(prompts, n, params)
+        elapsed = time.monotonic() - t0
+        groups = []
+        for prompt_id, prompt, outs in zip(prompt_ids, prompts, samples, strict=True):
+            completions_text = [decode_completion(self.tokenizer, s.token_ids) for s in outs]
+            rewards = self.task.score_batch([prompt_id] * len(outs), completions_text)
+            groups.append(
+                RolloutGroup(
+                    task=self.task.name,
+                    prompt_id=prompt_id,
+                    prompt_token_ids=prompt,
+                    completions=[
+                        Completion(
+                            token_ids=s.token_ids, logprobs=s.logprobs, claimed_reward=r, finished=s.finished
+                        )
+                        for s, r in zip(outs, rewards, strict=True)
+                    ],
+                    policy_version=version,
+                    sampler_peer_id=self.peer_id,
+                    sampled_at=time.time(),
+                )
+            )
+        tokens = sum(len(s.token_ids) for outs in samples for s in outs)
+        self.tokens_sampled += tokens
+        self.sampling_seconds += elapsed
+        self.groups_sampled += len(groups)
+        self.tokens_per_second = round(self.tokens_sampled / max(1e-9, self.sampling_seconds), 1)
+        self.rollouts_per_second = round(
+            self.groups_sampled / max(1e-9, time.monotonic() - self._started_work), 3
+        )
+        return groups
+
+    def _sample_for_request(
+        self, task: str, prompt_ids: list[int], n: int, version: int, max_new_tokens: int
+    ) -> list:
+        if version != self.policy_version:
+            raise RuntimeError(f"holding version {self.policy_version}, asked for {version}")
+        return self._sample(prompt_ids, n, max_new_tokens or None)
+
+    # ---- the main loop ------------------------------------------------------------------------------
+    def work(self) -> None:
+        self._started_work = time.monotonic()
+        if self.config.mode == "sync":
+            self.stop_event.wait()  # the sample RPC does the work
+            return
+        if not self._wait_first_version():
+            return
+        while not self.stop_event.is_set():
+            ids = self.task.sample_prompt_ids(self._rng, self.section.prompts_per_batch)
+            groups = self._sample(ids, self.config.run.group_size)
+            t0 = time.monotonic()
+            try:
+                self.pusher.submit(groups, stop_event=self.stop_event)
+            except TimeoutError:
+                logger.warning("%s no trainer took the batch; it stays in the outbox", self.prefix())
+            self.room_wait_seconds += time.monotonic() - t0
+
+    def _wait_first_version(self) -> bool:
+        t0 = time.monotonic()
+        logged = False
+        while self.policy_version is None:
+            if self.stop_event.wait(0.2):
+                return False
+            if not logged and time.monotonic() - t0 > 5:
+                logger.info("%s waiting for the first policy version from a trusted trainer", self.prefix())
+                logged = True
+            if time.monotonic() - t0 > self.section.first_version_timeout:
+                logger.error(
+                    "%s no policy version arrived within %.0f s; check --trusted-trainers and the run id",
+                    self.prefix(),
+                    self.section.first_version_timeout,
+                )
+                self.weights_wait_seconds += time.monotonic() - t0
+                return False
+        self.weights_wait_seconds += time.monotonic() - t0
+        return True
+
+    # ---- announcements and metrics ----------------------------------------------------------------------
     def role_fields(self) -> dict[str, Any]:
         return {"tokens_per_second": self.tokens_per_second, "rollouts_per_second": self.rollouts_per_second}
 
     def figures(self) -> dict[str, Any]:
-        return self.role_fields()
+        out: dict[str, Any] = {
+            **self.role_fields(),
+            "groups_sampled": self.groups_sampled,
+            "tokens_sampled": self.tokens_sampled,
+            "seconds_waiting_for_weights": round(self.weights_wait_seconds, 3),
+        }
+        if self.pusher is not None:
+            push = self.pusher.stats()
+            out.update(
+                rollouts_sent=push["sent"],
+                rollouts_acked=push["acked"],
+                rollouts_rejected=push["rejected"],
+                seconds_waiting_for_room=push["seconds_waiting_for_room"],
+                outbox=push["outbox"],
+            )
+        if self.sample_server is not None:
+            out["sample_rpc"] = self.sample_server.stats()
+        if self.fetcher is not None:
+            fetch = self.fetcher.stats_dict()
+            out["weights"] = {k: fetch[k] for k in list(fetch)[:12]}
+        if self.policy_version is not None and self.directory is not None:
+            out["version_lag"] = self._version_lag()
+        return out
+
+    def _version_lag(self) -> int | None:
+        try:
+            newest = max(
+                (e.record.policy_version or 0 for e in self.directory.peers() if e.record.role == "trainer"),
+                default=None,
+            )
+        except Exception:
+            return None
+        return None if newest is None else max(0, newest - (self.policy_version or 0))
+
+    def on_shutdown(self) -> None:
+        for name, closer in (
+            ("pusher", lambda: self.pusher and self.pusher.shutdown()),
+            ("loop", lambda: self.loop and self.loop.shutdown()),
+            ("fetcher", lambda: self.fetcher and self.fetcher.shutdown()),
+            ("engine", lambda: self.engine and self.engine.close()),
+        ):
+            try:
+                closer()
+            except Exception:
+                logger.exception("%s error stopping the %s", self.prefix(), name)

@@ -1,15 +1,27 @@
 """The trainer peer: ingests rollouts, trains with GRPO, averages with other trainers, publishes versions.
 
-Owned here: the trainer role's record fields and figures. Ingest, the replay buffer, GRPO and
-hivemind.Optimizer are wired in by the training layer (``echo_p2p.train``); until then the trainer
-announces that it accepts no rollouts (``free_buffer_room`` 0), so no inference peer pushes to it.
+Owned here: wiring the training layer to the network for one trainer — the policy and ``Learner``,
+``hivemind.Optimizer`` across trainers (its epoch is the policy version), the validated ingest servicer and
+replay buffer (async mode) or the sample client (sync mode), the weight publisher, checkpoints, and the
+trainer's metrics. Exactly one trainer publishes at a time (the running trainer with the smallest peer id,
+so that inference peers see one consistent manifest per version); the others take over when it leaves.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+import threading
+import time
+from collections import Counter
 from typing import Any
 
 from echo_p2p.roles.base import BasePeer
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the async loop waits on the buffer before counting the time as idle and looking again.
+TAKE_WAIT = 0.5
 
 
 class TrainerPeer(BasePeer):
@@ -17,11 +29,317 @@ class TrainerPeer(BasePeer):
 
     def __init__(self, config, identity=None):
         super().__init__(config, identity)
+        self.section = config.trainer
         self.free_buffer_room = 0
         self.accepts_rollouts = False
+        self.steps = 0
+        self.rollouts_consumed = 0
+        self.rejected: Counter[str] = Counter()
+        self.idle_seconds = 0.0
+        self.update_seconds = 0.0
+        self.publish_seconds = 0.0
+        self.reward_history: list[tuple[float, int, float]] = []  # (time, version, mean reward)
+        self.last_stats: dict[str, Any] = {}
+        self.is_publisher = False
+        self._work_started = time.monotonic()
+        self._published_version: int | None = None
+        self._stepper = None
+        self.optimizer = None
+        self.publisher = None
+        self.loop = None
+        self.ingest = None
+        self.sample_client = None
+        self.checkpoints = None
+        self._rng = random.Random(self.section.seed)
+        self._stopping = threading.Event()
 
+    # ---- setup ------------------------------------------------------------------------------------------
+    def on_start(self) -> None:
+        import torch
+
+        from echo_p2p.ml.models import load_policy
+        from echo_p2p.tasks import build_task
+        from echo_p2p.train.buffer import ReplayBuffer, recommended_capacity
+        from echo_p2p.train.checkpoint import CheckpointManager
+        from echo_p2p.train.ingest import IngestConfig, IngestValidator
+        from echo_p2p.train.learner import Learner
+        from echo_p2p.transport.collab_optimizer import CollabTrainerStep, make_collab_optimizer
+        from echo_p2p.transport.rollouts import P2PLoop, rollout_namespace
+        from echo_p2p.transport.weights_publisher import PublisherConfig, WeightPublisher
+
+        run, section = self.config.run, self.section
+        if section.threads:
+            torch.set_num_threads(section.threads)
+        self.task = build_task(run.task, run.task_options)
+        spec = run.model.model_copy(update={"quantize": None})  # a trainer keeps full precision
+        self.model, self.tokenizer = load_policy(spec)
+        self.model.eval()  # no dropout: the importance ratio compares like with like
+        grpo = section.grpo.model_copy(
+            update={"temperature": run.temperature, "pad_token_id": self.tokenizer.pad_token_id or 0}
+        )
+        self.learner = Learner(self.model, grpo)
+
+        loaded = None
+        if section.checkpoint_dir:
+            self.checkpoints = CheckpointManager(
+                section.checkpoint_dir, keep_last=2, save_every=section.checkpoint_every
+            )
+            if section.resume and self.checkpoints.latest() is not None:
+                loaded = self.checkpoints.load()
+                self.model.load_state_dict(loaded.model_state)  # before the optimizer copies the params
+                logger.info("%s resuming from checkpoint version %d", self.prefix(), loaded.version)
+        self.optimizer = make_collab_optimizer(
+            self.dht,
+            self.config.run_id,
+            self.model.parameters(),
+            section.collab,
+            private_key=self.identity.private_key,
+        )
+        if loaded is not None and loaded.optimizer_state is not None:
+            self.optimizer.load_state_dict(loaded.optimizer_state)
+        if loaded is not None:
+            self.steps = int(loaded.extra.get("steps", 0))
+            self.rollouts_consumed = int(loaded.extra.get("rollouts_consumed", 0))
+        self._stepper = CollabTrainerStep(self.learner, self.optimizer)
+        self.policy_version = self._stepper.version
+
+        self.publisher = WeightPublisher(
+            self.dht, self.identity, self.keys, PublisherConfig(encoding=section.encoding)
+        ).start()
+        self.loop = P2PLoop.from_dht(self.dht)
+        namespace = rollout_namespace(self.keys)
+        vocab = len(self.tokenizer)
+        self.validator = IngestValidator(
+            {self.task.name: self.task},
+            self.tokenizer,
+            IngestConfig(
+                vocab_size=vocab,
+                group_size=run.group_size,
+                max_prompt_tokens=section.max_prompt_tokens,
+                max_completion_tokens=run.max_new_tokens,
+                max_staleness=section.max_staleness if self.config.mode == "async" else 0,
+                reward_tolerance=section.reward_tolerance,
+                use_chat_template=run.model.use_chat_template,
+            ),
+        )
+        if self.config.mode == "async":
+            from echo_p2p.transport.rollout_push import RolloutIngestServicer
+
+            capacity = section.buffer_capacity or recommended_capacity(
+                section.prompts_per_step, section.max_staleness, num_inference_peers=8, groups_per_push=8
+            )
+            self.buffer = ReplayBuffer(capacity, section.max_staleness)
+            self.ingest = RolloutIngestServicer(
+                lambda group: self.validator.validate(group, self.policy_version or 0),
+                self.buffer,
+                section.ingest_server,
+                current_version=lambda: self.policy_version or 0,
+            )
+            self.loop.add_servicer(self.ingest, namespace)
+            self.accepts_rollouts = True
+            self.free_buffer_room = self.buffer.free_room()
+        else:
+            from echo_p2p.transport.rollout_pull import SampleClient
+
+            self.buffer = None
+            self.sample_client = SampleClient(self.loop, self.directory, section.sample_client, namespace)
+        self._maybe_publish(force_check=True)
+        self.announce()
+
+    # ---- the training loop --------------------------------------------------------------------------
+    def work(self) -> None:
+        self._work_started = time.monotonic()
+        pending: list = []
+        while not self.stop_event.is_set():
+            if self.section.max_steps is not None and self.steps >= self.section.max_steps:
+                logger.info("%s reached max_steps=%d; stopping", self.prefix(), self.section.max_steps)
+                break
+            t0 = time.monotonic()
+            if self.config.mode == "async":
+                batch, pending = self._take_async(pending)
+            else:
+                batch = self._collect_sync()
+            self.idle_seconds += time.monotonic() - t0
+            if batch is None:
+                continue
+            self._train(batch)
+        self.stop_event.set()
+
+    def _take_async(self, pending: list) -> tuple[list | None, list]:
+        version = self.policy_version or 0
+        pending = [g for g in pending if version - g.policy_version <= self.section.max_staleness]
+        need = self.section.prompts_per_step - len(pending)
+        if need > 0:
+            pending += self.buffer.take(need, version, timeout=TAKE_WAIT)
+        self.free_buffer_room = self.buffer.free_room()
+        if len(pending) < self.section.prompts_per_step:
+            return None, pending
+        return pending, []
+
+    def _collect_sync(self) -> list | None:
+        from echo_p2p.train.buffer import ScoredGroup
+        from echo_p2p.train.ingest import Rejection
+
+        version = self.policy_version or 0
+        scored: list[ScoredGroup] = []
+
+        def accept(group) -> bool:
+            result = self.validator.validate(group, version)
+            if isinstance(result, Rejection):
+                self.rejected[result.reason] += 1
+                return False
+            scored.append(result)
+            return True
+
+        self.sample_client.accept = accept
+        prompt_ids = self.task.sample_prompt_ids(self._rng, self.section.prompts_per_step)
+        try:
+            self.sample_client.collect(
+                self.task.name,
+                prompt_ids,
+                self.config.run.group_size,
+                version,
+                timeout=self.section.sync_timeout,
+                max_new_tokens=self.config.run.max_new_tokens or 0,
+            )
+        except Exception as exc:  # no inference peer yet, all of them failed: wait and ask again
+            logger.info("%s sync collection failed: %s", self.prefix(), exc)
+            self.stop_event.wait(1.0)
+            return None
+        if len(scored) < self.section.prompts_per_step:
+            logger.info(
+                "%s got %d/%d groups at version %d before the deadline",
+                self.prefix(),
+                len(scored),
+                self.section.prompts_per_step,
+                version,
+            )
+        return scored or None
+
+    def _train(self, batch: list) -> None:
+        t0 = time.monotonic()
+        version_before = self.policy_version or 0
+        result = self._stepper(batch)
+        self.update_seconds += time.monotonic() - t0
+        self.steps += 1
+        self.rollouts_consumed += len(batch)
+        rewards = [r for g in batch for r in g.rewards]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        staleness = Counter(version_before - g.policy_version for g in batch)
+        self.reward_history.append((time.time(), result.version, mean))
+        self.last_stats = {
+            "reward_mean": round(mean, 4),
+            "reward_std": round(std, 4),
+            "loss": round(float(result.stats.get("loss", 0.0)), 5),
+            "clip_frac": round(float(result.stats.get("clip_frac", 0.0)), 4),
+            "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
+            "step_update_s": round(time.monotonic() - t0, 4),
+        }
+        if result.advanced:
+            self.policy_version = result.version
+            if self.buffer is not None:
+                self.buffer.drop_stale(result.version)
+            self._maybe_publish()
+            self._maybe_checkpoint()
+        self.metrics.write(self.policy_version, step=self.steps, **self.last_stats, **self._counters())
+
+    # ---- publishing and checkpoints ---------------------------------------------------------------------
+    def _choose_publisher(self) -> bool:
+        """The running trainer with the smallest peer id publishes; ties broken the same way everywhere."""
+        try:
+            trainers = [
+                e.record.peer_id
+                for e in self.directory.peers()
+                if e.record.role == "trainer" and e.record.state == "running"
+            ]
+        except Exception:
+            trainers = []
+        trainers.append(self.peer_id)
+        return min(trainers) == self.peer_id
+
+    def _maybe_publish(self, force_check: bool = False) -> None:
+        from echo_p2p.weights import named_tensors
+
+        was = self.is_publisher
+        self.is_publisher = self._choose_publisher()
+        if self.is_publisher != was or force_check:
+            logger.info(
+                "%s %s", self.prefix(), "publishes policy versions" if self.is_publisher else "stands by"
+            )
+        version = self.policy_version or 0
+        if not self.is_publisher or self._published_version == version:
+            return
+        t0 = time.monotonic()
+        self.publisher.publish(named_tensors(self.model), version)
+        self.publish_seconds += time.monotonic() - t0
+        self._published_version = version
+
+    def _maybe_checkpoint(self, force: bool = False) -> None:
+        if self.checkpoints is None:
+            return
+        version = self.policy_version or 0
+        if not force and not self.checkpoints.due(version):
+            return
+        latest = self.checkpoints.latest()
+        if latest is not None and latest.version > version:
+            return  # never write a version lower than one on disk
+        self._stepper.settle()
+        self.checkpoints.save(
+            version,
+            self.model.state_dict(),
+            self.optimizer.state_dict(),
+            {"steps": self.steps, "rollouts_consumed": self.rollouts_consumed},
+        )
+
+    # ---- announcements and metrics ----------------------------------------------------------------------
     def role_fields(self) -> dict[str, Any]:
-        return {"free_buffer_room": self.free_buffer_room, "accepts_rollouts": self.accepts_rollouts}
+        elapsed = max(1e-9, time.monotonic() - self._work_started)
+        return {
+            "free_buffer_room": self.free_buffer_room,
+            "accepts_rollouts": self.accepts_rollouts,
+            "rollouts_per_second": round(self.rollouts_consumed / elapsed, 3) if self.steps else None,
+        }
+
+    def _counters(self) -> dict[str, Any]:
+        elapsed = max(1e-9, time.monotonic() - self._work_started)
+        out: dict[str, Any] = {
+            "steps": self.steps,
+            "rollouts_consumed": self.rollouts_consumed,
+            "idle_fraction": round(self.idle_seconds / elapsed, 4),
+            "update_s_total": round(self.update_seconds, 3),
+            "publisher": self.is_publisher,
+        }
+        if self.buffer is not None:
+            stats = self.buffer.stats().as_dict()
+            out["buffer"] = {
+                k: stats[k] for k in ("size", "free_room", "dropped_stale", "evicted", "duplicates")
+            }
+            out["dropped_stale"] = stats["dropped_stale"]
+        if self.ingest is not None:
+            out["rejected"] = dict(self.ingest.stats().get("rejected", {}))
+        elif self.rejected:
+            out["rejected"] = dict(self.rejected)
+        return out
 
     def figures(self) -> dict[str, Any]:
-        return self.role_fields()
+        return {**self.role_fields(), **self._counters(), **{k: v for k, v in self.last_stats.items()}}
+
+    def on_shutdown(self) -> None:
+        from echo_p2p.transport.collab_optimizer import shutdown_optimizer
+
+        if self._stepper is not None and self.checkpoints is not None:
+            try:
+                self._maybe_checkpoint(force=True)
+            except Exception:
+                logger.exception("%s final checkpoint failed", self.prefix())
+        for name, closer in (
+            ("ingest", lambda: self.ingest and self.ingest.shutdown()),
+            ("loop", lambda: self.loop and self.loop.shutdown()),
+            ("publisher", lambda: self.publisher and self.publisher.shutdown()),
+            ("optimizer", lambda: self.optimizer is not None and shutdown_optimizer(self.optimizer)),
+        ):
+            try:
+                closer()
+            except Exception:
+                logger.exception("%s error stopping the %s", self.prefix(), name)

@@ -449,8 +449,11 @@ class RolloutPusher:
                 item.refusals += 1
                 requeue.append(item)
             else:
-                self.rejected[verdict.reason or "unknown"] += 1
-                logger.warning(
+                reason = verdict.reason or "unknown"
+                self.rejected[reason] += 1
+                # staleness is routine in async mode (counted, in the metrics); anything else is worth a line
+                log = logger.debug if reason == "too_stale" else logger.warning
+                log(
                     "trainer %s rejected rollout %s: %s %s",
                     trainer.peer_id,
                     item.group.rollout_id,

@@ -50,9 +50,23 @@ def peer_id_from_log(proc) -> str:
     return line.rsplit(marker, 1)[1].split()[0].strip(",")
 
 
-def test_status_lists_peers_with_roles_then_forgets_killed_and_stopped_ones(procs):
+def test_status_lists_peers_with_roles_then_forgets_killed_and_stopped_ones(procs, tmp_path):
     boot, maddr = procs.bootstrap()
-    fast = ("--heartbeat-period", "0.5", "--record-ttl", "2")
+    trusted = tmp_path / "trusted.txt"
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.transport.trust import trainer_key_line
+
+    trusted.write_text(trainer_key_line(load_or_create_identity(str(tmp_path / "someone.id"))) + "\n")
+    fast = (
+        "--heartbeat-period",
+        "0.5",
+        "--record-ttl",
+        "2",
+        "--threads",
+        "1",
+        "--trusted-trainers",
+        str(trusted),
+    )
     trainer = procs.peer("trainer", "run-a", maddr, *fast)
     inf1 = procs.peer("inference", "run-a", maddr, *fast)
     inf2 = procs.peer("inference", "run-a", maddr, *fast)

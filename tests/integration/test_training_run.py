@@ -1,0 +1,105 @@
+"""The whole run on real processes: a bootstrap, a trainer and inference peers on 127.0.0.1 learn a task.
+
+Uses the local-swarm launcher (``python -m echo_p2p.local``), i.e. the README's main job, and reads the
+trainer's metrics: the mean reward the trainer measured (re-scored by its own verifier) must rise clearly.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from echo_p2p.metrics import read_metrics
+from tests.conftest import read_log, wait_until
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def trainer_steps(metrics_dir: Path) -> list[dict]:
+    lines: list[dict] = []
+    for path in metrics_dir.glob("trainer-*.jsonl"):
+        lines += [x for x in read_metrics(str(path)) if "step" in x and "reward_mean" in x]
+    return sorted(lines, key=lambda x: x["time"])
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo_p2p.local",
+            "--mode",
+            mode,
+            "--duration",
+            "75",
+            "--status-period",
+            "15",
+            "--workdir",
+            str(workdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = trainer_steps(workdir / "metrics")
+    assert len(steps) >= 30, f"only {len(steps)} training steps"
+    first, last = mean([s["reward_mean"] for s in steps[:10]]), mean([s["reward_mean"] for s in steps[-10:]])
+    assert last > first + 0.15, f"reward {first:.3f} -> {last:.3f}"
+    versions = [s["version"] for s in steps]
+    assert versions == sorted(versions) and versions[-1] >= 20
+    if mode == "sync":
+        assert all(s["staleness_hist"] == {"0": s["staleness_hist"].get("0")} for s in steps), (
+            "sync is on-policy"
+        )
+    assert "summary: training:" in proc.stdout
+
+
+def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_path):
+    boot, maddr = procs.bootstrap()
+    ident = str(tmp_path / "trainer.id")
+    ckpt = str(tmp_path / "ckpt")
+    metrics = tmp_path / "metrics"
+    trusted = tmp_path / "trusted.txt"
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.transport.trust import trainer_key_line
+
+    trusted.write_text(trainer_key_line(load_or_create_identity(ident)) + "\n")
+    common = ("--threads", "1", "--metrics-dir", str(metrics), "--heartbeat-period", "1")
+    trainer_args = ("--identity-path", ident, "--checkpoint-dir", ckpt, *common)
+    trainer = procs.peer("trainer", "resume", maddr, *trainer_args)
+    procs.peer("inference", "resume", maddr, "--trusted-trainers", str(trusted), *common)
+    wait_until(lambda: len(trainer_steps(metrics)) >= 12 or trainer.poll() is not None, 180, what="12 steps")
+    assert trainer.poll() is None, read_log(trainer)
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(timeout=60) == 0, read_log(trainer)
+    before = trainer_steps(metrics)[-1]["version"]
+    assert before >= 10
+    n_before = len(trainer_steps(metrics))
+
+    trainer2 = procs.peer("trainer", "resume", maddr, *trainer_args, "--resume")
+    wait_until(
+        lambda: "resuming from checkpoint version" in read_log(trainer2) or trainer2.poll() is not None,
+        120,
+        what="resume",
+    )
+    assert trainer2.poll() is None, read_log(trainer2)
+    wait_until(
+        lambda: len(trainer_steps(metrics)) >= n_before + 3 or trainer2.poll() is not None,
+        180,
+        what="steps after the restart",
+    )
+    after = [s["version"] for s in trainer_steps(metrics)[n_before:]]
+    assert min(after) >= before, f"version went back: {before} -> {after[:5]}"
+    time.sleep(0.1)
