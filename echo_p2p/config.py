@@ -199,6 +199,11 @@ class TrainerSection(StrictModel):
     max_staleness: int = Field(
         default=4, ge=0, le=64, description="Async: drop rollouts more than this many versions old"
     )
+    buffer_order: Literal["oldest", "newest"] = Field(
+        default="newest",
+        description="Async: which usable rollouts a step takes first; newest = least stale (inference "
+        "peers usually produce faster than a trainer consumes, and what gets too old is dropped anyway)",
+    )
     buffer_capacity: int | None = Field(
         default=None, ge=1, description="Replay buffer size in groups (None: from batch and staleness)"
     )

@@ -128,7 +128,7 @@ class TrainerPeer(BasePeer):
             capacity = section.buffer_capacity or recommended_capacity(
                 section.prompts_per_step, section.max_staleness, num_inference_peers=8, groups_per_push=8
             )
-            self.buffer = ReplayBuffer(capacity, section.max_staleness)
+            self.buffer = ReplayBuffer(capacity, section.max_staleness, order=section.buffer_order)
             self.ingest = RolloutIngestServicer(
                 lambda group: self.validator.validate(group, self.policy_version or 0),
                 self.buffer,

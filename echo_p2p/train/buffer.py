@@ -44,6 +44,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 from echo_p2p.rollout import RolloutGroup
 
@@ -136,10 +137,19 @@ class ReplayBuffer:
     :param reuse: how many times each group is handed out by ``take`` (1: each rollout used once)
     :param seen_ids_window: how many recent ``rollout_id`` values are remembered for de-duplication
         (an LRU; default ``max(16 * capacity, 4096)``)
+    :param order: which usable groups ``take`` hands out first: ``"oldest"`` (AReaL's choice: wastes the
+        fewest rollouts when producers are slower than the trainer) or ``"newest"`` (least stale: better
+        updates when producers are faster and stale groups would be dropped anyway). Eviction when full is
+        always oldest first.
     """
 
     def __init__(
-        self, capacity: int, max_staleness: int, reuse: int = 1, seen_ids_window: int | None = None
+        self,
+        capacity: int,
+        max_staleness: int,
+        reuse: int = 1,
+        seen_ids_window: int | None = None,
+        order: Literal["oldest", "newest"] = "oldest",
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -147,6 +157,9 @@ class ReplayBuffer:
             raise ValueError("max_staleness must be >= 0")
         if reuse < 1:
             raise ValueError("reuse must be >= 1")
+        if order not in ("oldest", "newest"):
+            raise ValueError("order must be 'oldest' or 'newest'")
+        self.order = order
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.reuse = reuse
@@ -214,6 +227,8 @@ class ReplayBuffer:
                     self._cond.wait(remaining)
             self._drop_stale_locked(current_version)
             out: list[_Entry] = []
+            if self.order == "newest":
+                out = self._pop_newest(batch_groups)
             while self._heap and len(out) < batch_groups:
                 out.append(self._pop_oldest())
             for entry in out:
@@ -273,6 +288,18 @@ class ReplayBuffer:
         if self._per_version[entry.version] == 0:
             del self._per_version[entry.version]
         return entry
+
+    def _pop_newest(self, k: int) -> list[_Entry]:
+        """The ``k`` freshest entries (highest version, latest arrival), removed; O(n) on a small buffer."""
+        chosen = heapq.nlargest(k, self._heap)
+        picked = {id(e) for e in chosen}
+        self._heap = [e for e in self._heap if id(e) not in picked]
+        heapq.heapify(self._heap)
+        for entry in chosen:
+            self._per_version[entry.version] -= 1
+            if self._per_version[entry.version] == 0:
+                del self._per_version[entry.version]
+        return chosen
 
     def _drop_stale_locked(self, current_version: int) -> int:
         dropped = 0

@@ -168,3 +168,17 @@ def test_recommended_capacity() -> None:
 def test_buffer_module_does_not_import_torch() -> None:
     code = "import sys, echo_p2p.train.buffer, echo_p2p.train; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_newest_order_hands_out_the_freshest_groups_and_still_evicts_the_oldest(g) -> None:
+    buf = ReplayBuffer(capacity=4, max_staleness=10, order="newest")
+    for v, rid in [(1, "a"), (2, "b"), (3, "c"), (4, "d")]:
+        assert buf.add(g(v, rid)) is AddResult.ADDED
+    assert _ids(buf.take(2, current_version=5)) == ["d", "c"]
+    assert buf.stats().per_version == {1: 1, 2: 1}
+    for v, rid in [(5, "e"), (6, "f"), (7, "h")]:
+        assert buf.add(g(v, rid)) is AddResult.ADDED  # the third one evicts the oldest (version 1)
+    assert buf.stats().evicted == 1
+    assert _ids(buf.take(10, current_version=7)) == ["h", "f", "e", "b"]
+    with pytest.raises(ValueError):
+        ReplayBuffer(capacity=1, max_staleness=0, order="random")
