@@ -18,7 +18,14 @@ from typing import Generic, TypeVar
 
 from echo_p2p.net.identity import Identity, peer_id_from_owner_key
 from echo_p2p.net.keys import SwarmKeys
-from echo_p2p.net.records import OtherProtocolError, PeerRecord, ProviderRecord, RecordError, WireRecord
+from echo_p2p.net.records import (
+    OtherProtocolError,
+    PeerRecord,
+    PolicyRecord,
+    ProviderRecord,
+    RecordError,
+    WireRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +56,12 @@ class SwarmDirectory:
         """Store this peer's record for ``ttl`` seconds; True when at least one DHT node accepted it."""
         return self._store(self.keys.peers, record, ttl, timeout)
 
-    def announce_provider(self, record: ProviderRecord, ttl: float) -> bool:
-        return self._store(self.keys.providers, record, ttl)
+    def announce_provider(self, record: ProviderRecord, ttl: float, timeout: float | None = None) -> bool:
+        return self._store(self.keys.providers, record, ttl, timeout)
+
+    def announce_policy(self, record: PolicyRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Store this publisher's newest-policy pointer (subkey: its own key) for ``ttl`` seconds."""
+        return self._store(self.keys.policy, record, ttl, timeout)
 
     def _store(self, key: str, record: WireRecord, ttl: float, timeout: float | None = None) -> bool:
         from hivemind.utils import get_dht_time
@@ -77,6 +88,11 @@ class SwarmDirectory:
 
     def providers(self) -> list[Entry[ProviderRecord]]:
         return self._read(self.keys.providers, ProviderRecord)
+
+    def policies(self) -> list[Entry[PolicyRecord]]:
+        """Every valid, unexpired publisher record (trust is the caller's business), newest version first."""
+        entries = self._read(self.keys.policy, PolicyRecord)
+        return sorted(entries, key=lambda e: (-e.record.version, -e.record.updated_at))
 
     def _read(self, key: str, cls: type[R]) -> list[Entry[R]]:
         from hivemind.utils import get_dht_time

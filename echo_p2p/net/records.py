@@ -1,19 +1,20 @@
 """Typed DHT records of the swarm directory and their validation on the DHT.
 
 Owned here: the pydantic schemas of the records that peers announce (``PeerRecord``,
-``ProviderRecord``), the rule for unknown fields and other protocol versions, and the hivemind
-``SchemaValidator`` that every echo_p2p node runs so that malformed records are refused at store time and
-at read time. Records are stored as plain msgpack maps (``record.to_wire()``); parsing ignores unknown
-fields so that newer peers can add fields. Callers: ``directory.py`` and the transports. No network I/O.
+``ProviderRecord``, ``PolicyRecord``), the rule for unknown fields and other protocol versions, and the
+hivemind ``SchemaValidator`` that every echo_p2p node runs so that malformed records are refused at store
+time and at read time. Records are stored as plain msgpack maps (``record.to_wire()``); parsing ignores
+unknown fields so that newer peers can add fields. Callers: ``directory.py`` and the transports. No network I/O.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
 import pydantic.v1 as pydantic_v1
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from echo_p2p import PROTOCOL_VERSION, __version__
 from echo_p2p.net.keys import SwarmKeys
@@ -21,6 +22,14 @@ from echo_p2p.net.keys import SwarmKeys
 Role = Literal["inference", "trainer", "bootstrap"]
 MAX_MADDRS = 16
 MAX_STR = 256
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_digests(value: list[str]) -> list[str]:
+    for digest in value:
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+            raise ValueError("a manifest digest must be 64 lower-case hex characters")
+    return value
 
 
 class WireRecord(BaseModel):
@@ -104,6 +113,65 @@ class ProviderRecord(WireRecord):
     )
     encodings: list[str] = Field(default_factory=list, max_length=16, description="Encodings it serves")
     maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+    stream_id: str | None = Field(
+        default=None, max_length=64, description="Publisher stream the served manifests belong to"
+    )
+    manifests: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="sha256 (hex) of the manifests whose every chunk it holds and serves",
+    )
+    partial: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="sha256 (hex) of manifests it is fetching now; it serves the chunks it already holds",
+    )
+
+    @field_validator("manifests", "partial")
+    @classmethod
+    def _digests(cls, value: list[str]) -> list[str]:
+        return _check_digests(value)
+
+
+class ManifestRef(BaseModel):
+    """A pointer to one signed manifest of a publisher's stream (the manifest itself travels by RPC)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = Field(ge=0, description="Policy version the manifest encodes")
+    base_version: int | None = Field(
+        default=None, ge=0, description="Version a delta applies to; None: keyframe"
+    )
+    digest: str = Field(description="sha256 (hex) of the manifest's bytes (Manifest.to_bytes())")
+    encoding: str = Field(max_length=32, description="Payload encoding (fp32, bf16, int8, int8-delta)")
+    total_bytes: int = Field(ge=0, description="Payload size of the version in bytes")
+    num_chunks: int = Field(ge=0, description="Number of chunks")
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, value: str) -> str:
+        return _check_digests([value])[0]
+
+
+class PolicyRecord(WireRecord):
+    """Under ``SwarmKeys.policy`` (subkey: the publisher's key): a trainer's newest published policy.
+
+    Small on purpose: the manifests of the publisher's current chain (newest keyframe and the deltas that
+    follow it) are listed by digest only; receivers fetch them with ``rpc_get_manifests`` and accept one
+    only if its signature and publisher are trusted (``echo_p2p.transport.trust``).
+    """
+
+    peer_id: str = Field(max_length=128, description="libp2p peer id (base58) of the publisher")
+    stream_id: str = Field(min_length=1, max_length=64, description="Publisher's current encoder stream")
+    version: int = Field(ge=0, description="Newest published version")
+    keyframe_version: int | None = Field(
+        default=None, ge=0, description="Version of the newest full snapshot (keyframe) it serves"
+    )
+    manifests: list[ManifestRef] = Field(
+        default_factory=list, max_length=64, description="Manifests it serves, oldest first"
+    )
+    maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+    updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
 
 
 class _DhtValue:
@@ -142,6 +210,7 @@ def schema_validator(keys: SwarmKeys):
     fields = {
         keys.peers: (dict[BytesWithPublicKey, _value_type(PeerRecord)], None),
         keys.providers: (dict[BytesWithPublicKey, _value_type(ProviderRecord)], None),
+        keys.policy: (dict[BytesWithPublicKey, _value_type(PolicyRecord)], None),
     }
     schema = pydantic_v1.create_model(f"EchoSchema_{keys.protocol}", **fields)
     return SchemaValidator(schema, allow_extra_keys=True)

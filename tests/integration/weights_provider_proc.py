@@ -1,0 +1,69 @@
+"""An inference peer that fetches one policy version and then serves it (not a pytest module).
+
+Used by ``test_weights_distribution.py`` as a provider that the test can kill with SIGKILL in the middle of
+a transfer: it starts a DHT on 127.0.0.1 bootstrapping from ``--initial-peer``, fetches ``--version`` from
+the trainer whose OpenSSH key is ``--trusted-key``, serves it with an upload cap of ``--upload-rate`` bytes/s
+(slow on purpose), writes its peer id to ``--ready-file`` and serves until SIGTERM or ``--max-seconds``.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--initial-peer", required=True)
+    p.add_argument("--trusted-key", required=True, help="the trainer's 'ssh-rsa ...' public key")
+    p.add_argument("--version", type=int, required=True)
+    p.add_argument("--upload-rate", type=float, default=None, help="bytes/s this provider uploads at most")
+    p.add_argument("--ready-file", required=True)
+    p.add_argument("--max-seconds", type=float, default=120.0)
+    args = p.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    from echo_p2p.config import NetworkConfig
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.node import start_dht, stop_dht
+    from echo_p2p.transport.trust import TrustedTrainers
+    from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+    from echo_p2p.transport.weights_service import ServiceLimits
+
+    keys = SwarmKeys(args.run_id)
+    identity = load_or_create_identity(None)
+    dht = start_dht(
+        NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[args.initial_peer]),
+        identity,
+        [keys],
+    )
+    config = FetcherConfig(
+        request_timeout=5, record_ttl=30, limits=ServiceLimits(upload_rate_limit=args.upload_rate)
+    )
+    fetcher = WeightFetcher(
+        dht, identity, keys, TrustedTrainers.from_keys([args.trusted_key]), config
+    ).start()
+    try:
+        fetcher.ensure_version(args.version, timeout=60)
+        fetcher.announce()  # synchronously, so that the test sees this provider once the file exists
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(identity.peer_id)
+        os.replace(tmp, args.ready_file)
+        stop.wait(args.max_seconds)
+    finally:
+        fetcher.shutdown()
+        stop_dht(dht)
+        identity.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
