@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         peer = make_peer(config)
     except IdentityError as exc:
         fail(str(exc), EXIT_START)
+    if config.role == "inference":
+        from echo_p2p.progress import WeightsProgress
+
+        peer.on_weights_progress = WeightsProgress()
     install_stop_handlers(peer.request_stop)
     try:
         try:

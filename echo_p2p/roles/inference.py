@@ -42,6 +42,8 @@ class InferencePeer(BasePeer):
         self._engine_lock = threading.Lock()  # engine weights + self.policy_version change together
         self._rng = random.Random(self.section.seed)
         self._started_work = time.monotonic()
+        #: Progress callback of weight fetches (the CLI sets a bar / log reporter); None: silent.
+        self.on_weights_progress = None
 
     # ---- setup ------------------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -75,6 +77,7 @@ class InferencePeer(BasePeer):
             self.keys,
             trusted,
             FetcherConfig(serve=section.serve_weights, poll_period=section.weights_poll_period),
+            on_progress=self.on_weights_progress,
         ).start()
         self.loop = P2PLoop.from_dht(self.dht)
         namespace = rollout_namespace(self.keys)
