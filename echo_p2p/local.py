@@ -35,6 +35,9 @@ class LocalSwarmConfig:
     task: str = "count"
     model: str = "tiny"
     extra_peer_args: tuple[str, ...] = ()
+    # On one machine, inference peers yield the CPU to trainers (on a real swarm each has its own)
+    inference_nice: int = 5
+    until_reward: float | None = None  # stop once the trainers' 10-step mean reward reaches this
     status_period: float = 5.0
     heartbeat_period: float = 2.0
     workdir: str = field(default_factory=lambda: os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
@@ -57,11 +60,12 @@ class LocalSwarm:
         self.stop_event = threading.Event()
         self.bootstrap_maddr: str | None = None
 
-    def _spawn(self, name: str, *args: str) -> Child:
+    def _spawn(self, name: str, *args: str, nice: int = 0) -> Child:
         log = self.workdir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(
             [sys.executable, *args],
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -127,6 +131,7 @@ class LocalSwarm:
                 f"inference-{i}",
                 *("-m", "echo_p2p.peer", "--role", "inference", *common),
                 *("--trusted-trainers", str(trusted), "--seed", str(1000 + i)),
+                nice=self.config.inference_nice,
             )
 
     def make_trainer_identities(self) -> Path:
@@ -225,6 +230,11 @@ def watch(swarm: LocalSwarm) -> int:
                 break
             if config.duration and time.monotonic() - t0 >= config.duration:
                 break
+            if config.until_reward is not None and progress and len(progress) >= 10:
+                recent = progress[-10:]
+                if sum(x["reward_mean"] for x in recent) / len(recent) >= config.until_reward:
+                    print(f"reward reached {config.until_reward}: stopping", flush=True)
+                    break
             swarm.stop_event.wait(config.status_period)
     finally:
         stop_dht(dht)
@@ -247,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", choices=["tiny", "smollm2"], default=d.model, help="model preset")
     parser.add_argument("--duration", type=float, default=d.duration, help="seconds to run; 0 = until Ctrl-C")
+    parser.add_argument(
+        "--until-reward",
+        type=float,
+        default=None,
+        help="stop early once the 10-step mean reward reaches this",
+    )
     parser.add_argument("--status-period", type=float, default=d.status_period, help="seconds between tables")
     parser.add_argument(
         "--workdir", default=None, help="logs and metrics go here (default runs/local-<time>)"
@@ -272,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         task=args.task,
         model=args.model,
         duration=args.duration,
+        until_reward=args.until_reward,
         status_period=args.status_period,
     )
     if args.workdir:

@@ -31,7 +31,7 @@ def test_initial_peers_that_do_not_answer_fail_fast_with_a_clear_error():
         "-m",
         "echo_p2p.peer",
         "--role",
-        "inference",
+        "trainer",
         "--run-id",
         "r",
         "--initial-peers",

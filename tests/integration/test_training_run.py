@@ -17,7 +17,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import read_log, wait_until
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(330), pytest.mark.slow]
 
 
 def trainer_steps(metrics_dir: Path) -> list[dict]:
@@ -42,23 +42,26 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
             "--mode",
             mode,
             "--duration",
-            "75",
+            "200",
+            "--until-reward",
+            "0.3",
             "--status-period",
-            "15",
+            "5",
             "--workdir",
             str(workdir),
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = trainer_steps(workdir / "metrics")
-    assert len(steps) >= 30, f"only {len(steps)} training steps"
+    assert len(steps) >= 20, f"only {len(steps)} training steps"
     first, last = mean([s["reward_mean"] for s in steps[:10]]), mean([s["reward_mean"] for s in steps[-10:]])
     assert last > first + 0.15, f"reward {first:.3f} -> {last:.3f}"
     versions = [s["version"] for s in steps]
-    assert versions == sorted(versions) and versions[-1] >= 20
+    assert versions == sorted(versions) and versions[-1] >= 15
+    assert "reward reached 0.3: stopping" in proc.stdout, proc.stdout[-2000:]
     if mode == "sync":
         assert all(s["staleness_hist"] == {"0": s["staleness_hist"].get("0")} for s in steps), (
             "sync is on-policy"
