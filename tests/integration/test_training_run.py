@@ -106,3 +106,43 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     after = [s["version"] for s in trainer_steps(metrics)[n_before:]]
     assert min(after) >= before, f"version went back: {before} -> {after[:5]}"
     time.sleep(0.1)
+
+
+def test_two_trainers_advance_together_and_exactly_one_publishes(tmp_path):
+    workdir = tmp_path / "run2"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "echo_p2p.local",
+            "--trainers",
+            "2",
+            "--inference",
+            "1",
+            "--duration",
+            "45",
+            "--status-period",
+            "15",
+            "--workdir",
+            str(workdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last: dict[str, dict] = {}
+    for path in (workdir / "metrics").glob("trainer-*.jsonl"):
+        steps = [x for x in read_metrics(str(path)) if "step" in x]
+        assert steps, f"{path.name} never trained"
+        last[path.name] = steps[-1]
+    assert len(last) == 2
+    versions = [x["version"] for x in last.values()]
+    assert min(versions) >= 8 and max(versions) - min(versions) <= 2, (
+        versions
+    )  # one optimizer epoch = version
+    assert sorted(x["publisher"] for x in last.values()) == [False, True], "exactly one trainer publishes"
+    logs = "".join((workdir / "logs" / f"trainer-{i}.log").read_text() for i in range(2))
+    assert "publishes policy versions" in logs and "stands by" in logs
+    inference = [x for p in (workdir / "metrics").glob("inference-*.jsonl") for x in read_metrics(str(p))]
+    assert max(x["version"] or 0 for x in inference) >= 5  # the inference peer follows the one publisher
