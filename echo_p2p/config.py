@@ -235,7 +235,7 @@ class PeerConfig(StrictModel):
     """A peer of a run (``python -m echo_p2p.peer``)."""
 
     role: Literal["inference", "trainer"] = Field(description="What this peer does in the run")
-    run_id: str = Field(description="Name of the run to join (1-64 chars of A-Za-z0-9._-)")
+    run_id: str = Field(description="Name of the run to join (1-64 chars of A-Za-z0-9_-)")
     mode: Literal["sync", "async"] = Field(
         default="async",
         description="sync: sequential pull (on-policy); async: push-pull with bounded staleness",

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from echo_p2p import PROTOCOL_VERSION
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# no "." : hivemind's averagers (the trainers' hivemind.Optimizer) refuse names that contain one
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 KEY_PREFIX = "echo"
 
 
@@ -20,7 +21,7 @@ def validate_run_id(run_id: str) -> str:
     """Return ``run_id`` if it is a valid run id (1-64 chars of ``A-Za-z0-9._-``), else raise ValueError."""
     if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
         raise ValueError(
-            f"invalid run id {run_id!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (starting with a letter or digit)"
+            f"invalid run id {run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ - (starting with a letter or digit)"
         )
     return run_id
 

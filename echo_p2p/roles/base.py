@@ -26,8 +26,9 @@ from echo_p2p.net.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
-#: Lifetime of the last record a leaving peer writes: long enough to be seen, short enough to vanish.
-LEAVING_TTL = 2.0
+#: Deadline (s) of the last announcement a leaving peer makes. Its record keeps the normal lifetime: the DHT
+#: replaces a record only with one that expires later, so a shorter-lived "leaving" record would be ignored.
+LEAVING_TIMEOUT = 2.0
 
 
 class BasePeer:
@@ -121,7 +122,7 @@ class BasePeer:
             self._announcer.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:
             try:
-                self.announce(state="leaving", ttl=LEAVING_TTL, timeout=LEAVING_TTL)
+                self.announce(state="leaving", timeout=LEAVING_TIMEOUT)
             except Exception as exc:  # leaving must never fail
                 logger.debug("could not announce leaving: %s", exc)
             stop_dht(self.dht)

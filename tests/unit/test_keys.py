@@ -4,10 +4,10 @@ from echo_p2p.net.keys import SwarmKeys, validate_run_id
 
 
 def test_keys_carry_protocol_version_and_run_id():
-    keys = SwarmKeys("my-run.1")
-    assert keys.peers == "echo/v1/my-run.1/peers"
-    assert keys.policy == "echo/v1/my-run.1/policy"
-    assert keys.providers == "echo/v1/my-run.1/providers"
+    keys = SwarmKeys("my-run_1")
+    assert keys.peers == "echo/v1/my-run_1/peers"
+    assert keys.policy == "echo/v1/my-run_1/policy"
+    assert keys.providers == "echo/v1/my-run_1/providers"
     assert set(keys.all_keys().values()) == {keys.peers, keys.policy, keys.providers}
 
 
@@ -17,7 +17,7 @@ def test_two_runs_and_two_protocols_never_share_a_key():
     assert not set(a.all_keys().values()) & set(a2.all_keys().values())
 
 
-@pytest.mark.parametrize("bad", ["", "with space", "a/b", "-lead", "x" * 65, "ü"])
+@pytest.mark.parametrize("bad", ["", "with space", "a/b", "-lead", "x" * 65, "ü", "dotted.name"])
 def test_invalid_run_ids_are_refused(bad):
     with pytest.raises(ValueError, match="invalid run id"):
         validate_run_id(bad)
