@@ -124,8 +124,18 @@ def _kill(dht) -> None:
         dht.shutdown()
     except Exception:  # the child may already be gone
         pass
+    _reap(dht)
+
+
+def _reap(dht) -> None:
+    """Make sure the DHT's child process is gone: SIGTERM, then SIGKILL (a child that ignores SIGTERM would
+    otherwise keep our process from exiting, since multiprocessing joins its children at exit)."""
     if dht.is_alive():
         dht.terminate()
+        dht.join(timeout=5)
+    if dht.is_alive():
+        logger.warning("the DHT process ignored SIGTERM; killing it")
+        dht.kill()
         dht.join(timeout=5)
 
 
@@ -142,8 +152,10 @@ def stop_dht(dht, timeout: float = 10.0) -> None:
     threading.Thread(target=_shutdown, daemon=True).start()
     if not done.wait(timeout) and dht.is_alive():
         logger.warning("DHT did not shut down within %.0f s; terminating its process", timeout)
-        dht.terminate()
-        dht.join(timeout=5)
+    try:
+        _reap(dht)
+    except (AssertionError, AttributeError):  # not a started process (e.g. a replica): nothing to reap
+        pass
 
 
 def visible_maddrs(dht) -> list[str]:
