@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import threading
 import time
 
@@ -21,8 +20,8 @@ from echo_p2p.cli import (
     EXIT_START,
     add_network_flags,
     fail,
-    install_stop_handlers,
     network_flags,
+    run_peer,
 )
 
 logger = logging.getLogger("echo_p2p.bootstrap")
@@ -154,24 +153,12 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.log_level)
     from echo_p2p.net.identity import IdentityError
-    from echo_p2p.net.node import NodeStartError
 
     try:
         peer = BootstrapPeer(config)
     except IdentityError as exc:
         fail(str(exc), EXIT_START)
-    install_stop_handlers(peer.request_stop)
-    try:
-        peer.start()
-        peer.run()
-    except NodeStartError as exc:
-        peer.shutdown()
-        fail(str(exc), EXIT_START)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        peer.shutdown()
-    sys.exit(0)
+    run_peer(peer, "bootstrap")
 
 
 if __name__ == "__main__":

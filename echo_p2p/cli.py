@@ -80,3 +80,28 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGINT, _handler)
     signal.signal(signal.SIGTERM, _handler)
+
+
+def run_peer(peer, what: str) -> None:
+    """Start ``peer``, run it until a signal, always shut it down; exit 0, or 1 with a clear start error.
+
+    ``peer`` has ``start``, ``run``, ``request_stop`` and an idempotent ``shutdown``. Expected start-up
+    failures (DHT start, a model not on disk, a bad option or file) print one line instead of a traceback.
+    """
+    from echo_p2p.net.node import NodeStartError
+
+    install_stop_handlers(peer.request_stop)
+    try:
+        try:
+            peer.start()
+        except (FileNotFoundError, ValueError) as exc:
+            raise NodeStartError(f"the {what} could not start: {exc}") from exc
+        peer.run()
+    except NodeStartError as exc:
+        peer.shutdown()
+        fail(str(exc), EXIT_START)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        peer.shutdown()
+    sys.exit(0)

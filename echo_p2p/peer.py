@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from echo_p2p import __version__
 from echo_p2p.cli import (
@@ -16,8 +15,8 @@ from echo_p2p.cli import (
     EXIT_START,
     add_network_flags,
     fail,
-    install_stop_handlers,
     network_flags,
+    run_peer,
 )
 
 
@@ -145,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.log_level)
     from echo_p2p.net.identity import IdentityError
-    from echo_p2p.net.node import NodeStartError
 
     try:
         peer = make_peer(config)
@@ -155,21 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         from echo_p2p.progress import WeightsProgress
 
         peer.on_weights_progress = WeightsProgress()
-    install_stop_handlers(peer.request_stop)
-    try:
-        try:
-            peer.start()
-        except (FileNotFoundError, ValueError) as exc:  # a model not on disk, a task option, a bad file
-            raise NodeStartError(f"the {config.role} peer could not start: {exc}") from exc
-        peer.run()
-    except NodeStartError as exc:
-        peer.shutdown()
-        fail(str(exc), EXIT_START)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        peer.shutdown()
-    sys.exit(0)
+    run_peer(peer, f"{config.role} peer")
 
 
 if __name__ == "__main__":
