@@ -1,0 +1,335 @@
+"""Benchmark of the three training modes at the same wall-clock budget: co-located, decoupled sync, async.
+
+Each arm runs the real entry point as a subprocess, one arm after another, for ``--budget`` seconds:
+
+* ``colocated``: ``python -m echo_p2p.colocated --task count --duration S --threads 1`` (sampling and
+  training take turns in one process; per-step JSONL ``colocated-*.jsonl``);
+* ``sync`` / ``async``: ``python -m echo_p2p.local --mode sync|async --duration S`` (a bootstrap, 1 trainer,
+  2 inference peers on 127.0.0.1, one torch thread each; trainer metrics ``trainer-*.jsonl`` per step,
+  inference metrics ``inference-*.jsonl`` every ~10 s).
+
+Reported per arm:
+
+* rollouts (groups) consumed per second, between the first and the last training step;
+* trainer idle fraction: co-located, the sampling + scoring share of the step time; decoupled, the trainer's
+  own ``idle_fraction`` (time waiting for rollouts) on its last step line;
+* inference idle fraction: co-located, the training share of the step time; decoupled, the share of each
+  inference peer's work time spent waiting for weights or for room in a trainer's buffer
+  (``seconds_waiting_for_weights + seconds_waiting_for_room``), averaged over peers. In sync mode the peers
+  sample only when the trainer asks, so that share misses the time spent waiting for a request; the
+  ``inf. not sampling`` column (1 - sampling seconds / work seconds, sampling seconds = tokens sampled /
+  tokens per second) counts every second not spent sampling, including that wait. Inference metrics are
+  written every ~10 s, so the last few seconds of a run are missing from them;
+* versions per minute (policy versions between the first and the last step line);
+* reward at the end of the budget (mean of the last 10 steps) and at an equal number of updates ``n``, the
+  smallest step count all arms reached (mean over steps [n-10, n)).
+
+Times on the reward curve count from the launch of the arm's command, so they include start-up (model load;
+for the decoupled arms the DHT and the peers' start). ``echo_p2p.colocated --duration`` counts from its first
+step, ``echo_p2p.local --duration`` from when the peers were spawned, so the decoupled arms train for less
+of their budget; the ``first step`` column shows how long each arm took to start training.
+
+Run: ``python benchmarks/modes.py [--budget 60] [--arms colocated,sync,async] [--out PATH]``
+(about 3.5 min with the defaults). Writes JSON to ``--out`` and, if matplotlib is importable, a
+reward-vs-time PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ARMS = ("colocated", "sync", "async")
+WINDOW = 10  # steps in a reward mean
+TRAINERS = 1
+INFERENCE_PEERS = 2
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    with open(path) as f:
+        for raw in f:
+            try:
+                out.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue  # a torn last line
+    return out
+
+
+def run_arm(arm: str, budget: float, workdir: Path, extra_wait: float) -> tuple[float, float, int, Path]:
+    """Run one arm's command; returns (launch time, seconds it ran, exit code, metrics dir)."""
+    metrics_dir = workdir / "metrics"
+    if arm == "colocated":
+        cmd = [
+            sys.executable,
+            "-m",
+            "echo_p2p.colocated",
+            *("--task", "count", "--duration", str(budget), "--metrics-dir", str(metrics_dir)),
+            *("--threads", "1", "--steps", "100000"),
+        ]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "echo_p2p.local",
+            *("--mode", arm, "--duration", str(budget), "--workdir", str(workdir)),
+            *("--status-period", "10"),
+        ]
+    log = workdir / f"{arm}.log"
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"[{arm}] {' '.join(cmd[1:])}", flush=True)
+    launched = time.time()
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            code = proc.wait(timeout=budget + extra_wait)
+        except subprocess.TimeoutExpired:
+            print(f"[{arm}] still running {budget + extra_wait:.0f} s after launch: SIGTERM", flush=True)
+            os.killpg(proc.pid, signal.SIGTERM)  # its own group (start_new_session): only what it started
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+    seconds = time.monotonic() - t0
+    print(f"[{arm}] exited with code {code} after {seconds:.1f} s (log {log})", flush=True)
+    return launched, seconds, code, metrics_dir
+
+
+def mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def steps_of(arm: str, metrics_dir: Path) -> list[dict[str, Any]]:
+    """Per-step lines, oldest first, normalised to time/step/version/reward/rollouts_consumed."""
+    pattern = "colocated-*.jsonl" if arm == "colocated" else "trainer-*.jsonl"
+    lines: list[dict[str, Any]] = []
+    for path in sorted(metrics_dir.glob(pattern)) if metrics_dir.exists() else []:
+        lines += [x for x in read_jsonl(path) if "step" in x and "reward_mean" in x]
+    lines.sort(key=lambda x: (x["time"], x["step"]))
+    return lines
+
+
+def inference_figures(metrics_dir: Path) -> dict[str, Any]:
+    """Idle shares of the inference peers from their last metrics line each."""
+    waiting, not_sampling, groups = [], [], 0
+    for path in sorted(metrics_dir.glob("inference-*.jsonl")) if metrics_dir.exists() else []:
+        lines = [x for x in read_jsonl(path) if "groups_sampled" in x]
+        if not lines:
+            continue
+        last = lines[-1]
+        groups += int(last.get("groups_sampled") or 0)
+        rps = last.get("rollouts_per_second") or 0.0
+        # work seconds since the peer's main loop started: groups / (groups per second of work time)
+        work_s = last["groups_sampled"] / rps if rps and last["groups_sampled"] else None
+        if work_s is None and len(lines) > 1:
+            work_s = lines[-1]["time"] - lines[0]["time"]
+        if not work_s:
+            continue
+        wait = (last.get("seconds_waiting_for_weights") or 0.0) + (
+            last.get("seconds_waiting_for_room") or 0.0
+        )
+        waiting.append(min(1.0, wait / work_s))
+        tps = last.get("tokens_per_second") or 0.0
+        sampling_s = last["tokens_sampled"] / tps if tps else 0.0
+        not_sampling.append(max(0.0, 1.0 - sampling_s / work_s))
+    return {
+        "inference_idle_fraction": mean(waiting),
+        "inference_not_sampling_fraction": mean(not_sampling),
+        "inference_peers_reporting": len(waiting),
+        "groups_sampled": groups,
+    }
+
+
+def summarize(arm: str, launched: float, seconds: float, code: int, metrics_dir: Path) -> dict[str, Any]:
+    steps = steps_of(arm, metrics_dir)
+    out: dict[str, Any] = {"arm": arm, "exit_code": code, "seconds": round(seconds, 2), "steps": len(steps)}
+    if arm == "colocated":
+        for x in steps:
+            x["version"] = x["step"] + 1  # one version per step
+    curve = [[round(x["time"] - launched, 3), x["step"], x["version"], x["reward_mean"]] for x in steps]
+    out["curve"] = curve  # [seconds since launch, step, version, reward_mean]
+    if not steps:
+        return out
+    first, last = steps[0], steps[-1]
+    span = last["time"] - first["time"]
+    out["first_step_s"] = round(first["time"] - launched, 2)
+    out["last_step_s"] = round(last["time"] - launched, 2)
+    out["rollouts_consumed"] = last["rollouts_consumed"]
+    # between the first and the last step line: the first step's own rollouts are before the span
+    out["rollouts_per_s"] = (
+        (last["rollouts_consumed"] - first["rollouts_consumed"]) / span if span > 0 else None
+    )
+    out["versions_per_min"] = 60 * (last["version"] - first["version"]) / span if span > 0 else None
+    out["reward_end"] = mean([x["reward_mean"] for x in steps[-WINDOW:]])
+    if arm == "colocated":
+        sampling = sum(x["sampling_s"] + x["scoring_s"] for x in steps)
+        training = sum(x["training_s"] for x in steps)
+        busy = sampling + training
+        out["trainer_idle_fraction"] = sampling / busy if busy else None
+        out["inference_idle_fraction"] = training / busy if busy else None
+        out["inference_not_sampling_fraction"] = out["inference_idle_fraction"]
+    else:
+        out["trainer_idle_fraction"] = last.get("idle_fraction")
+        out["dropped_stale"] = last.get("dropped_stale", 0)
+        out.update(inference_figures(metrics_dir))
+    return out
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    cfg = results["config"]
+    print(
+        f"\nconfiguration: {cfg['cores']} cores, budget {cfg['budget_s']:.0f} s per arm, task {cfg['task']}, "
+        f"model {cfg['model']}, G={cfg['group_size']} x {cfg['prompts_per_step']} prompts per step; "
+        f"decoupled: {cfg['trainers']} trainer + {cfg['inference_peers']} inference peers, 1 torch thread each; "
+        f"co-located: 1 process, 1 thread"
+    )
+    n = results["equal_updates"]
+    head = (
+        f"{'arm':<10} {'steps':>5} {'1st step':>8} {'rollouts/s':>10} {'trainer idle':>12} {'inf. idle':>9} "
+        f"{'inf. not sampling':>17} {'versions/min':>12} {'reward@end':>10} {f'reward@{n} upd':>13}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results["arms"]:
+        print(
+            f"{r['arm']:<10} {r['steps']:>5} {fmt(r.get('first_step_s'), '7.1f') + 's':>8} "
+            f"{fmt(r.get('rollouts_per_s'), '.2f'):>10} {fmt(r.get('trainer_idle_fraction'), '.1%'):>12} "
+            f"{fmt(r.get('inference_idle_fraction'), '.1%'):>9} "
+            f"{fmt(r.get('inference_not_sampling_fraction'), '.1%'):>17} "
+            f"{fmt(r.get('versions_per_min'), '.1f'):>12} {fmt(r.get('reward_end'), '.3f'):>10} "
+            f"{fmt(r.get('reward_equal_updates'), '.3f'):>13}"
+        )
+    print(
+        "\nrollouts/s and versions/min: between the first and the last step. trainer idle: co-located = "
+        "sampling+scoring share of step time; decoupled = the trainer's idle_fraction (waiting for rollouts).\n"
+        "inf. idle: co-located = training share; decoupled = share of each inference peer's work time spent "
+        "waiting for weights or for buffer room (mean over peers; in sync mode this misses the wait for "
+        "sample requests).\ninf. not sampling: 1 - sampling seconds / work seconds (includes that wait). "
+        f"reward@end: mean of the last {WINDOW} steps; reward@{n} upd: mean over steps [{max(0, n - WINDOW)}, {n})."
+    )
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not importable: reward-vs-time plot skipped")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results["arms"]:
+        curve = r.get("curve") or []
+        if not curve:
+            continue
+        rewards = [c[3] for c in curve]
+        smooth = [mean(rewards[max(0, i - WINDOW + 1) : i + 1]) for i in range(len(rewards))]
+        ax.plot([c[0] for c in curve], smooth, label=r["arm"])
+    ax.set_xlabel("seconds since launch")
+    ax.set_ylabel(f"reward ({WINDOW}-step mean)")
+    ax.set_title(f"count task, {results['config']['budget_s']:.0f} s per arm")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget", type=float, default=60.0, help="wall-clock seconds per arm (default 60)")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of colocated,sync,async")
+    p.add_argument("--out", default=str(HERE / "results" / "modes.json"), help="JSON results file")
+    p.add_argument(
+        "--workdir", default=None, help="keep logs and metrics here (default: a temp dir, removed)"
+    )
+    p.add_argument(
+        "--extra-wait", type=float, default=90.0, help="seconds past the budget before an arm is stopped"
+    )
+    args = p.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms or args.budget <= 0:
+        p.error(f"--arms must be a subset of {','.join(ARMS)} and --budget > 0 (got {unknown or arms})")
+
+    sys.path.insert(0, str(ROOT))
+    from echo_p2p.config import RunSettings, TrainerSection
+
+    base = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="echo-modes-"))
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "benchmark": "modes",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {
+            "cores": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "budget_s": args.budget,
+            "arms": arms,
+            "task": "count",
+            "model": "tiny",
+            "group_size": RunSettings.model_fields["group_size"].default,
+            "prompts_per_step": TrainerSection.model_fields["prompts_per_step"].default,
+            "trainers": TRAINERS,
+            "inference_peers": INFERENCE_PEERS,
+            "colocated_threads": 1,
+        },
+        "arms": [],
+    }
+    try:
+        for arm in arms:
+            launched, seconds, code, metrics_dir = run_arm(arm, args.budget, base / arm, args.extra_wait)
+            summary = summarize(arm, launched, seconds, code, metrics_dir)
+            results["arms"].append(summary)
+            print(
+                f"[{arm}] {summary['steps']} steps, reward at the end {fmt(summary.get('reward_end'), '.3f')}",
+                flush=True,
+            )
+    finally:
+        if not args.workdir:
+            shutil.rmtree(base, ignore_errors=True)
+    counts = [r["steps"] for r in results["arms"]]
+    n = min(counts) if counts else 0
+    results["equal_updates"] = n
+    for r in results["arms"]:
+        rewards = [c[3] for c in r.get("curve", [])]
+        r["reward_equal_updates"] = mean(rewards[max(0, n - WINDOW) : n]) if n else None
+    results["elapsed_s"] = round(time.perf_counter() - started, 1)
+    print_table(results)
+    print(f"\ntotal {results['elapsed_s']:.0f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    plot(results, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
