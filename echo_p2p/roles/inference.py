@@ -49,7 +49,8 @@ class InferencePeer(BasePeer):
     def on_start(self) -> None:
         from echo_p2p.ml.models import load_policy
         from echo_p2p.tasks import build_task
-        from echo_p2p.transport.rollouts import P2PLoop, rollout_namespace
+        from echo_p2p.transport.p2p_loop import P2PLoop
+        from echo_p2p.transport.rollout_config import rollout_namespace
         from echo_p2p.transport.trust import TrustedTrainers
         from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
 

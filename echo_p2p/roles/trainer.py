@@ -64,7 +64,8 @@ class TrainerPeer(BasePeer):
         from echo_p2p.train.ingest import IngestConfig, IngestValidator
         from echo_p2p.train.learner import Learner
         from echo_p2p.transport.collab_optimizer import CollabTrainerStep, make_collab_optimizer
-        from echo_p2p.transport.rollouts import P2PLoop, rollout_namespace
+        from echo_p2p.transport.p2p_loop import P2PLoop
+        from echo_p2p.transport.rollout_config import rollout_namespace
         from echo_p2p.transport.weights_publisher import PublisherConfig, WeightPublisher
 
         run, section = self.config.run, self.section

@@ -1,4 +1,4 @@
-"""Configs of the rollout transport (push ingest and sync pull), kept free of torch and hivemind.
+"""Configs and the RPC namespace of the rollout transport (push ingest and sync pull), free of torch and hivemind.
 
 The CLIs validate every config before anything heavy starts, so these classes live apart from the
 servicers that use them (``rollout_push.py``, ``rollout_pull.py``, which re-export them).
@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from echo_p2p.net.keys import SwarmKeys
+
 #: Largest serialized rollout group that one stream message may carry (hivemind caps a message at 4 MiB).
 MAX_GROUP_BYTES = 3 * 1024 * 1024
+
+
+def rollout_namespace(keys: SwarmKeys) -> str:
+    """The RPC namespace of a run's rollout handlers (peers of two runs sharing a p2pd never mix)."""
+    return f"echo-v{keys.protocol}-{keys.run_id}-rollouts"
 
 
 class IngestServerConfig(BaseModel):

@@ -35,8 +35,8 @@ from hivemind.p2p import P2PContext, ServicerBase
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.tasks.base import Task, TaskError
+from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
 from echo_p2p.transport.rollout_config import SampleClientConfig, SampleServerConfig
-from echo_p2p.transport.rollouts import P2PLoop, peer_id_of
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.buffer import AddResult, ReplayBuffer, ScoredGroup
 from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, Reason, Rejection
+from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
 from echo_p2p.transport.rollout_config import IngestServerConfig, PusherConfig
-from echo_p2p.transport.rollouts import P2PLoop, peer_id_of
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""Serving policy versions over hivemind P2P streams: the servicer, what it serves, and the event loop.
+"""Serving policy versions over hivemind P2P streams: the servicer, what it serves, and its endpoint.
 
 Owned here: ``WeightLibrary`` (the signed manifests and verified chunk stores a process serves, complete
 or still being fetched), ``WeightsServicer`` (a hivemind ``ServicerBase``: ``rpc_get_manifests``,
 ``rpc_have`` and the server-streaming ``rpc_get_chunks``, with per-request limits, stream limits, an
-optional upload rate limit and byte counters), ``WeightsEndpoint`` (one per process and DHT: an asyncio
-loop in a thread, a P2P replica of the DHT's daemon, the servicer registered under the run's namespace)
+optional upload rate limit and byte counters), ``WeightsEndpoint`` (one per process and DHT: a ``P2PLoop``
+on a replica of the DHT's daemon, the servicer registered under the run's namespace)
 and the client-side reader of chunk streams, which refuses frames larger than a part before reading them.
 Callers: ``WeightPublisher`` (trainers) and ``WeightFetcher`` (inference peers). Must not decode weights
 (``echo_p2p.weights`` does) nor decide what to trust (``trust.py`` does). Peers' bad requests get an
@@ -14,7 +14,6 @@ error message and a counter, never an exception in the caller.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import logging
 import random
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.proto import weights_pb2
+from echo_p2p.transport.p2p_loop import P2PLoop
 from echo_p2p.weights.manifest import ChunkStore, Manifest
 
 logger = logging.getLogger(__name__)
@@ -345,48 +345,6 @@ class WeightsServicer(ServicerBase):
             await asyncio.sleep(start - now)
 
 
-class TransportLoop:
-    """An asyncio event loop in a daemon thread; synchronous code submits coroutines with deadlines."""
-
-    def __init__(self, name: str = "echo-weights-loop"):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the loop and wait at most ``timeout`` s (``TimeoutError``; the coroutine is cancelled)."""
-        future = self.submit(coro)
-        try:
-            return future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"transport call did not finish within {timeout:.1f} s") from None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if not self.loop.is_running():
-            return
-
-        async def _cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.wait(tasks, timeout=timeout) if tasks else None
-
-        try:
-            self.run(_cancel_all(), timeout + 1)
-        except Exception:  # stopping must never fail
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-
-
 class WeightsEndpoint:
     """One process's weights transport on one DHT: loop thread, P2P replica, library and servicer.
 
@@ -401,61 +359,38 @@ class WeightsEndpoint:
         self.servicer = WeightsServicer(self.library, limits)
         self.serve = serve
         self.namespace = f"echo-v{keys.protocol}-{keys.run_id}-weights"
-        self.loop: TransportLoop | None = None
+        self.loop: P2PLoop | None = None
         self.p2p: P2P | None = None
         self.peer_id: str = ""
-        self._connected: set[str] = set()
 
     @property
     def limits(self) -> ServiceLimits:
         return self.servicer.limits
 
     def start(self, timeout: float = 30.0) -> WeightsEndpoint:
-        """Start the loop, replicate the DHT's P2P daemon and register the servicer (idempotent)."""
+        """Start the loop on a replica of the DHT's P2P daemon and register the servicer (idempotent)."""
         if self.loop is not None:
             return self
-        from hivemind import DHT
-
-        # the DHT's own p2pd: its control address, read in the DHT's child process
-        maddr = self.dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True).result(
-            timeout=timeout
-        )
-        self.loop = TransportLoop()
+        loop = P2PLoop.from_dht(self.dht, timeout, name="echo-weights-loop")
         try:
-            self.loop.run(self._start(maddr), timeout)
+            if self.serve:
+                loop.add_servicer(self.servicer, self.namespace, timeout)
         except BaseException:
-            self.loop.stop()
-            self.loop = None
+            loop.shutdown()
             raise
+        self.loop, self.p2p, self.peer_id = loop, loop.p2p, loop.peer_id
         return self
-
-    async def _start(self, maddr) -> None:
-        self.p2p = await P2P.replicate(maddr)
-        self.peer_id = self.p2p.peer_id.to_base58()
-        if self.serve:
-            await self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.loop is None:
             return
         loop, self.loop = self.loop, None
-
-        async def _stop() -> None:
-            if self.p2p is not None:
-                if self.serve:
-                    try:
-                        await asyncio.wait_for(
-                            self.servicer.remove_p2p_handlers(self.p2p, namespace=self.namespace), timeout
-                        )
-                    except Exception:  # the daemon may be gone already
-                        pass
-                await self.p2p.shutdown()
-
-        try:
-            loop.run(_stop(), timeout + 1)
-        except Exception as exc:
-            logger.debug("weights endpoint shutdown: %s", exc)
-        loop.stop(timeout)
+        if self.serve:
+            try:
+                loop.remove_servicer(self.servicer, self.namespace, timeout)
+            except Exception:  # the daemon may be gone already
+                pass
+        loop.shutdown(timeout)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         assert self.loop is not None, "start() first"
@@ -466,23 +401,12 @@ class WeightsEndpoint:
         return WeightsServicer._get_handle_name(self.namespace, method)
 
     async def connect(self, peer_id: str, maddrs: Iterable[str], timeout: float) -> None:
-        """Make sure the daemon can reach ``peer_id`` (dial its announced addresses once)."""
-        if peer_id in self._connected or peer_id == self.peer_id:
-            return
-        from hivemind.utils.multiaddr import Multiaddr
-
-        addrs = []
-        for text in maddrs:
-            try:  # the daemon dials transport addresses: drop the /p2p/<id> suffix of announced ones
-                addrs.append(Multiaddr(text.split("/p2p/", 1)[0]))
-            except Exception:  # a bad address in a record: skip it
-                continue
-        if addrs:
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), timeout)
-        self._connected.add(peer_id)
+        """Make sure the daemon can reach ``peer_id`` (dial its announced addresses once; raises on failure)."""
+        await self.loop.dial(peer_id, maddrs, timeout, strict=True)
 
     def forget(self, peer_id: str) -> None:
-        self._connected.discard(peer_id)
+        if self.loop is not None:
+            self.loop.forget(peer_id)
 
     async def get_manifests(
         self, peer_id: str, request: weights_pb2.ManifestsRequest, timeout: float

@@ -21,6 +21,8 @@ from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.tasks import build_task
 from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.train.ingest import IngestConfig, IngestValidator
+from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
+from echo_p2p.transport.rollout_config import rollout_namespace
 from echo_p2p.transport.rollout_pull import (
     SampleClient,
     SampleClientConfig,
@@ -34,7 +36,6 @@ from echo_p2p.transport.rollout_push import (
     RolloutIngestServicer,
     RolloutPusher,
 )
-from echo_p2p.transport.rollouts import P2PLoop, peer_id_of, rollout_namespace
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(90)

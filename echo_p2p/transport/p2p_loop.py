@@ -1,16 +1,11 @@
-"""Rollout transport between inference peers and trainers: the shared event loop and the public names.
+"""``P2PLoop``: one thread running an asyncio loop with this process's own connection to the DHT's p2pd.
 
-Owned here: ``P2PLoop`` (a thread running an asyncio loop with this process's own connection to the DHT's
-p2pd, where rollout servicers serve and rollout clients call), ``rollout_namespace`` (the RPC namespace of a
-run) and the re-export of the transport's public classes:
-
-- async push (``rollout_push``): ``RolloutIngestServicer`` (trainer) and ``RolloutPusher`` (inference peer);
-- sync pull (``rollout_pull``): ``SampleServicer`` (inference peer) and ``SampleClient`` (trainer).
-
-Threading model: the peers' own threads (sampling, training) call the synchronous APIs of ``RolloutPusher``
-and ``SampleClient``; the networking runs in the ``P2PLoop`` thread; servicers run there too and hand every
-blocking call (validation, sampling, weight updates) to worker threads so that the loop stays responsive.
-Every wait has a deadline. Callers: the peers of both roles and tests. Must not import torch.
+Owned here: the event loop that the transports' servicers serve on and their clients call from (the weights
+endpoint and the rollout transport each run one over the same p2pd), running coroutines on it from
+synchronous threads with a deadline, dialing peers at their announced addresses, and ``peer_id_of``.
+Threading model: the peers' own threads (sampling, training) call synchronous APIs; the networking runs in
+the loop thread; servicers hand every blocking call to worker threads so that the loop stays responsive.
+Callers: ``weights_service``, ``rollout_push``, ``rollout_pull``, the peers, tests. Must not import torch.
 """
 
 from __future__ import annotations
@@ -22,19 +17,9 @@ import threading
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from echo_p2p.net.keys import SwarmKeys
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Largest serialized group a sender sends and a receiver parses (hivemind caps a message at 4 MiB).
-from echo_p2p.transport.rollout_config import MAX_GROUP_BYTES  # noqa: E402,F401  (re-export)
-
-
-def rollout_namespace(keys: SwarmKeys) -> str:
-    """The RPC namespace of a run's rollout handlers (peers of two runs sharing a p2pd never mix)."""
-    return f"echo-v{keys.protocol}-{keys.run_id}-rollouts"
 
 
 class P2PLoop:
@@ -46,7 +31,7 @@ class P2PLoop:
     several transports each run their own loop over the same p2pd.
     """
 
-    def __init__(self, name: str = "echo-rollouts") -> None:
+    def __init__(self, name: str = "echo-p2p-loop") -> None:
         self.loop = asyncio.new_event_loop()
         self.p2p = None  # hivemind.p2p.P2P, set by from_dht
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -55,7 +40,7 @@ class P2PLoop:
         self._dialed: set[str] = set()
 
     @classmethod
-    def from_dht(cls, dht, timeout: float = 30.0, name: str = "echo-rollouts") -> P2PLoop:
+    def from_dht(cls, dht, timeout: float = 30.0, name: str = "echo-p2p-loop") -> P2PLoop:
         """Start the loop and connect it to ``dht``'s p2pd (``TimeoutError`` after ``timeout`` s)."""
         from hivemind.dht.dht import DHT
 
@@ -93,16 +78,17 @@ class P2PLoop:
             future.cancel()
             raise TimeoutError(f"coroutine did not finish within {timeout:.1f} s") from None
 
-    async def dial(self, peer_id: str, maddrs: Iterable[str], timeout: float) -> None:
-        """Dial ``peer_id`` at its announced addresses once (best effort: p2pd may also find it by itself)."""
-        if peer_id in self._dialed or not maddrs:
+    async def dial(self, peer_id: str, maddrs: Iterable[str], timeout: float, strict: bool = False) -> None:
+        """Dial ``peer_id`` at its announced addresses once. Best effort (p2pd may also find it by itself);
+        with ``strict`` a failed dial raises, so that the caller can count it against that peer."""
+        if peer_id in self._dialed or peer_id == self.peer_id:
             return
         from hivemind.utils.multiaddr import Multiaddr
 
         addrs = []
         for text in maddrs:
-            try:
-                addrs.append(Multiaddr(text))
+            try:  # the daemon dials transport addresses: drop the /p2p/<id> suffix of announced ones
+                addrs.append(Multiaddr(text.split("/p2p/", 1)[0]))
             except Exception:  # a bad address in a record: skip it
                 continue
         try:
@@ -110,6 +96,8 @@ class P2PLoop:
                 await asyncio.wait_for(self.p2p._client.connect(peer_id_of(peer_id), addrs), timeout)
             self._dialed.add(peer_id)
         except Exception as exc:
+            if strict:
+                raise
             logger.debug("dialing %s failed: %s", peer_id, exc)
 
     def forget(self, peer_id: str) -> None:
