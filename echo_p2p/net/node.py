@@ -141,21 +141,28 @@ def _reap(dht) -> None:
 
 def stop_dht(dht, timeout: float = 10.0) -> None:
     """Shut the DHT child process (and its p2pd) down; never hangs longer than ``timeout``."""
-    done = threading.Event()
-
-    def _shutdown() -> None:
-        try:
-            dht.shutdown()
-        finally:
-            done.set()
-
-    threading.Thread(target=_shutdown, daemon=True).start()
-    if not done.wait(timeout) and dht.is_alive():
+    if not call_with_deadline(dht.shutdown, timeout, "dht-shutdown") and dht.is_alive():
         logger.warning("DHT did not shut down within %.0f s; terminating its process", timeout)
     try:
         _reap(dht)
     except (AssertionError, AttributeError):  # not a started process (e.g. a replica): nothing to reap
         pass
+
+
+def call_with_deadline(fn, timeout: float, name: str) -> bool:
+    """Run ``fn()`` in a daemon thread; True if it returned (or raised, logged) within ``timeout`` seconds."""
+    done = threading.Event()
+
+    def _run() -> None:
+        try:
+            fn()
+        except Exception:  # stopping must never fail: the caller falls back to harsher means
+            logger.debug("%s raised", name, exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=_run, name=name, daemon=True).start()
+    return done.wait(timeout)
 
 
 def visible_maddrs(dht) -> list[str]:

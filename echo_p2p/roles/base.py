@@ -70,6 +70,9 @@ class BasePeer:
     def on_start(self) -> None:
         """Called once the DHT is up and the first record is announced."""
 
+    def on_heartbeat(self) -> None:
+        """Called by the announcer thread before each announcement (cheap periodic work of the role)."""
+
     def work(self) -> None:
         """The role's main loop; must return soon after ``stop_event`` is set."""
         self.stop_event.wait()
@@ -163,6 +166,7 @@ class BasePeer:
         next_metrics = time.monotonic()
         while not self.stop_event.wait(self.config.heartbeat_period):
             try:
+                self.on_heartbeat()
                 self.announce()
                 if time.monotonic() >= next_metrics:
                     next_metrics = time.monotonic() + self.config.metrics_period

@@ -144,7 +144,8 @@ class TrainerPeer(BasePeer):
 
             self.buffer = None
             self.sample_client = SampleClient(self.loop, self.directory, section.sample_client, namespace)
-        self._maybe_publish(force_check=True)
+        self._update_publisher_role(log=True)
+        self._maybe_publish()
         self.announce()
 
     # ---- the training loop --------------------------------------------------------------------------
@@ -259,15 +260,21 @@ class TrainerPeer(BasePeer):
         trainers.append(self.peer_id)
         return min(trainers) == self.peer_id
 
-    def _maybe_publish(self, force_check: bool = False) -> None:
-        from echo_p2p.weights import named_tensors
+    def on_heartbeat(self) -> None:
+        self._update_publisher_role()
 
+    def _update_publisher_role(self, log: bool = False) -> None:
+        """Re-elect the publisher from the directory (on the heartbeat, not on every training step)."""
         was = self.is_publisher
         self.is_publisher = self._choose_publisher()
-        if self.is_publisher != was or force_check:
+        if self.is_publisher != was or log:
             logger.info(
                 "%s %s", self.prefix(), "publishes policy versions" if self.is_publisher else "stands by"
             )
+
+    def _maybe_publish(self) -> None:
+        from echo_p2p.weights import named_tensors
+
         version = self.policy_version or 0
         if not self.is_publisher or self._published_version == version:
             return

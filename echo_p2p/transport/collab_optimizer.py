@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -272,18 +271,9 @@ def make_collab_optimizer(
 def shutdown_optimizer(optimizer: hivemind.Optimizer, timeout: float = 15.0) -> bool:
     """Leave the swarm (progress record, averagers' child processes) within ``timeout`` seconds.
     Returns False when it did not finish in time (the caller then shuts the DHT down regardless)."""
-    done = threading.Event()
+    from echo_p2p.net.node import call_with_deadline
 
-    def _run() -> None:
-        try:
-            optimizer.shutdown()
-        except Exception:  # already shut down, or an averager died: nothing left to do
-            logger.debug("optimizer shutdown raised", exc_info=True)
-        finally:
-            done.set()
-
-    threading.Thread(target=_run, name="collab-optimizer-shutdown", daemon=True).start()
-    if not done.wait(timeout):
+    if not call_with_deadline(optimizer.shutdown, timeout, "collab-optimizer-shutdown"):
         logger.warning("hivemind.Optimizer did not shut down within %.0f s", timeout)
         return False
     return True
