@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import torch
 
 from echo_p2p.net.records import PolicyRecord
-from echo_p2p.transport.weights_fetcher import FetcherConfig, FetchStats, _FetchSession, _Source
+from echo_p2p.transport.weights_fetch_session import _FetchSession, _Source
+from echo_p2p.transport.weights_fetcher import FetcherConfig, FetchStats
 from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits
 from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
 

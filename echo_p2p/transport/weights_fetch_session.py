@@ -1,0 +1,525 @@
+"""One fetch of a policy chain from several providers: scheduling, streams, retries, bans.
+
+Owned here: ``_FetchSession`` (used by ``WeightFetcher._fetch``: which chunk to ask of which provider,
+per-chunk deadlines, retries elsewhere on timeout, error, bad digest or a broken stream, banning a provider
+that served bad data, sparing the publisher), its per-provider ``_Source`` state, and the errors and
+progress records a fetch reports (``FetchError``, ``FetchProgress``). Split from ``weights_fetcher`` so that
+the fetcher keeps the peer-facing API (records, trust, chains, atomic apply) and this module the transfer.
+Must not decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from echo_p2p.net.records import PolicyRecord
+from echo_p2p.proto import weights_pb2
+from echo_p2p.transport.weights_service import (
+    RemoteError,
+    ServedVersion,
+    StreamViolation,
+    bitmap_indices,
+)
+from echo_p2p.weights import ChunkDigestError, ChunkError
+
+if TYPE_CHECKING:
+    from echo_p2p.transport.weights_fetcher import WeightFetcher
+
+logger = logging.getLogger("echo_p2p.transport.weights_fetcher")
+
+
+class FetchError(Exception):
+    """A fetch that did not complete; ``reason`` is the counter name."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class FetchProgress:
+    """Where a fetch stands (passed to the progress callback after each verified chunk)."""
+
+    version: int
+    chunks_done: int
+    chunks_total: int
+    bytes_done: int
+    bytes_total: int
+    providers: int
+    elapsed: float
+
+
+class _Source:
+    """One provider during one fetch: what it holds, what is in flight to it, how it behaved."""
+
+    def __init__(self, peer_id: str, maddrs: Iterable[str], publisher: bool = False):
+        self.peer_id = peer_id
+        self.maddrs = list(maddrs)
+        self.publisher = publisher
+        self.complete: set[str] = set()
+        self.partial: set[str] = set()
+        self.have: dict[str, set[int]] = {}
+        self.fetching: dict[str, set[int]] = {}
+        self.inflight = 0
+        self.failures = 0
+        self.dropped = False
+        self.busy_until = 0.0
+        self.next_have = 0.0
+        self.polling = False
+        self.rate: float | None = None  # bytes/s of its recent streams
+
+    def holds(self, digest: str, index: int) -> bool:
+        return digest in self.complete or index in self.have.get(digest, ())
+
+
+class _FetchSession:
+    """The chunk transfers of one chain of manifests; runs on the endpoint's loop."""
+
+    def __init__(self, fetcher: WeightFetcher, record: PolicyRecord, entries: list[ServedVersion]):
+        self.f = fetcher
+        self.cfg = fetcher.config
+        self.record = record
+        self.entries = {e.digest: e for e in entries}
+        self.order = [e.digest for e in entries]
+        self.missing = {e.digest: set(e.store.missing()) for e in entries}
+        self.inflight: dict[str, dict[int, _Source]] = {e.digest: {} for e in entries}
+        self.picks: Counter = Counter()  # digest -> chunks asked in pick mode whose first part has not come
+        self.sources: dict[str, _Source] = {}
+        self.chunks_total = sum(e.manifest.num_chunks for e in entries)
+        self.bytes_total = sum(e.manifest.total_bytes for e in entries)
+        self.bytes_done = 0
+        self.duplicate_bytes = 0
+        self.used: set[str] = set()
+        self.wake = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+        self.started = time.monotonic()
+        self.last_progress = self.started
+        self.discover_seconds = 0.0
+        publisher = _Source(record.peer_id, record.maddrs, publisher=True)
+        publisher.complete = set(self.order)
+        if fetcher._banned_until.get(record.peer_id, 0) <= time.monotonic():
+            self.sources[record.peer_id] = publisher
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("fetch task failed: %r", task.exception())
+        self.wake.set()
+
+    def state(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "version": self.record.version,
+            "elapsed": now - self.started,
+            "missing": {d[:12]: len(m) for d, m in self.missing.items()},
+            "in_flight": {d[:12]: len(m) for d, m in self.inflight.items()},
+            "picks": {d[:12]: n for d, n in self.picks.items()},
+            "since_progress": now - self.last_progress,
+            "providers": {
+                s.peer_id: {
+                    "publisher": s.publisher,
+                    "dropped": s.dropped,
+                    "in_flight": s.inflight,
+                    "failures": s.failures,
+                    "busy_for": max(0.0, s.busy_until - now),
+                    "complete": len(s.complete),
+                    "partial": len(s.partial),
+                    "have": {d[:12]: len(h) for d, h in s.have.items()},
+                    "rate": s.rate,
+                }
+                for s in list(self.sources.values())
+            },
+            "tasks": len(self.tasks),
+        }
+
+    def _alive(self) -> list[_Source]:
+        return [s for s in self.sources.values() if not s.dropped]
+
+    async def run(self) -> None:
+        deadline = time.monotonic() + self.cfg.fetch_timeout
+        try:  # know the other providers before the first request, so the publisher is spared from the start
+            await asyncio.wait_for(self._refresh_providers(), self.cfg.request_timeout)
+        except asyncio.TimeoutError:
+            pass
+        self.discover_seconds = time.monotonic() - self.started
+        next_refresh = time.monotonic() + self.cfg.provider_refresh
+        refreshing = False
+        lonely_since: float | None = None
+        try:
+            while any(self.missing.values()):
+                now = time.monotonic()
+                if now > deadline:
+                    raise FetchError("timeout")
+                if now - self.last_progress > self.cfg.no_progress_timeout:
+                    raise FetchError(
+                        "no_progress", f"no chunk arrived for {self.cfg.no_progress_timeout:.0f} s"
+                    )
+                if now >= next_refresh and not refreshing:
+                    refreshing = True
+
+                    async def refresh() -> None:
+                        nonlocal refreshing, next_refresh
+                        try:
+                            await self._refresh_providers()
+                        finally:
+                            refreshing = False
+                            next_refresh = time.monotonic() + self.cfg.provider_refresh
+
+                    self._spawn(refresh())
+                self._poll_haves(now)
+                self._schedule(now)
+                busy = any(s.inflight for s in self.sources.values())
+                if not busy and not self._alive():
+                    lonely_since = lonely_since or now
+                    if now - lonely_since > self.cfg.no_provider_timeout:
+                        raise FetchError("no_providers", "every provider failed or none holds the version")
+                else:
+                    lonely_since = None
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=0.1)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for task in list(self.tasks):
+                task.cancel()
+            for entry in self.entries.values():
+                entry.fetching.clear()
+
+    # ---- providers ------------------------------------------------------------------------------------
+    async def _refresh_providers(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, self.f.directory.providers)
+        except Exception as exc:
+            logger.debug("reading providers failed: %r", exc)
+            return
+        now = time.monotonic()
+        wanted = set(self.order)
+        for entry in found:
+            p = entry.record
+            if (
+                p.peer_id in (self.f.endpoint.peer_id, self.record.peer_id)
+                or p.stream_id != self.record.stream_id
+            ):
+                continue
+            if self.f._banned_until.get(p.peer_id, 0) > now:
+                continue
+            complete, partial = set(p.manifests) & wanted, set(p.partial) & wanted
+            if not complete and not partial:
+                continue
+            source = self.sources.get(p.peer_id)
+            if source is None:
+                source = self.sources[p.peer_id] = _Source(p.peer_id, p.maddrs)
+            source.complete |= complete
+            source.partial |= partial - source.complete
+        self.wake.set()
+
+    def _poll_haves(self, now: float) -> None:
+        for s in self._alive():
+            if s.publisher or s.polling or now < s.next_have:
+                continue
+            digests = [d for d in self.order if d in s.partial and d not in s.complete and self.missing[d]]
+            if digests:
+                s.polling = True
+                s.next_have = now + self.cfg.have_period
+                self._spawn(self._poll_have(s, digests))
+
+    async def _poll_have(self, s: _Source, digests: list[str]) -> None:
+        try:
+            await self.f.endpoint.connect(s.peer_id, s.maddrs, self.cfg.request_timeout)
+            for digest in digests:
+                response = await self.f.endpoint.have(s.peer_id, digest, self.cfg.request_timeout)
+                n = self.entries[digest].manifest.num_chunks
+                if not response.held:
+                    s.partial.discard(digest)
+                elif response.complete and response.num_chunks == n:
+                    s.complete.add(digest)
+                else:
+                    s.have[digest] = bitmap_indices(response.bitmap, n)
+                    s.fetching[digest] = bitmap_indices(response.fetching, n)
+        except Exception as exc:
+            self._fail(s, "have_error", exc)
+        finally:
+            s.polling = False
+
+    # ---- scheduling -----------------------------------------------------------------------------------
+    def _schedule(self, now: float) -> None:
+        stalled = now - self.last_progress > self.cfg.stall_timeout
+        alive = self._alive()
+        random.shuffle(alive)
+        for s in sorted(alive, key=lambda s: (s.publisher, s.failures)):
+            limit = self.cfg.publisher_streams if s.publisher else self.cfg.max_inflight_per_provider
+            while s.inflight < limit and s.busy_until <= now:
+                if s.publisher and s.inflight and sum(self.picks.values()) > 1:
+                    break  # pipelining only: the open stream still has chunks to start
+                work = self._pick_work(s, alive, stalled)
+                if work is None:
+                    break
+                digest, indices, pick, fresh_for = work
+                s.inflight += 1
+                self.picks[digest] += pick
+                if not pick:
+                    for i in indices:
+                        self.inflight[digest][i] = s
+                        self.entries[digest].fetching.add(i)
+                self._spawn(self._request(s, digest, indices, pick, fresh_for))
+
+    def _pick_work(
+        self, s: _Source, alive: list[_Source], stalled: bool
+    ) -> tuple[str, list[int], int] | None:
+        limit = self.f.endpoint.limits.max_chunks_per_request
+        for digest in self.order:
+            if digest not in s.complete and digest not in s.partial:
+                continue
+            avail = self.missing[digest] - self.inflight[digest].keys()
+            if digest not in s.complete:
+                avail &= s.have.get(digest, set())
+            if s.publisher and self.cfg.spare_publisher and not stalled:
+                others = [o for o in alive if o is not s]
+                avail = {
+                    i
+                    for i in avail
+                    if not any(o.holds(digest, i) or i in o.fetching.get(digest, ()) for o in others)
+                }
+            if not avail:
+                continue
+            if s.publisher and self.cfg.publisher_pick:
+                pick = self.cfg.publisher_pick
+                if s.rate:  # as many chunks as arrive in pick_seconds
+                    mean_chunk = (
+                        self.entries[digest].manifest.total_bytes / self.entries[digest].manifest.num_chunks
+                    )
+                    pick = max(1, min(limit, round(s.rate * self.cfg.pick_seconds / max(mean_chunk, 1))))
+                pick = min(pick, len(avail) - self.picks[digest])
+                if pick <= 0:  # the picks in flight already cover every candidate
+                    continue
+                # the freshness window makes receivers wait for each other: only among peers that serve
+                window = self.cfg.spare_publisher and self.cfg.serve and not stalled
+                return digest, sorted(avail)[:limit], pick, self.cfg.publisher_fresh_window if window else 0.0
+            chosen = random.sample(sorted(avail), min(len(avail), self.cfg.chunks_per_request, limit))
+            return digest, chosen, 0, 0.0
+        return None
+
+    # ---- one stream ---------------------------------------------------------------------------------
+    async def _request(
+        self, s: _Source, digest: str, indices: list[int], pick: int, fresh_for: float
+    ) -> None:
+        """One chunk stream from ``s``; every outcome is mapped to a counter, a retry or a ban here."""
+        entry = self.entries[digest]
+        manifest = entry.manifest
+        request = weights_pb2.ChunksRequest(
+            stream_id=manifest.stream_id,
+            version=manifest.version,
+            digest=bytes.fromhex(digest),
+            indices=indices,
+            pick=pick,
+            fresh_for=fresh_for,
+        )
+        state = _StreamState(
+            expected=set(indices), mine=set() if pick else set(indices), pick=pick, picks_left=pick
+        )
+        stream = None
+        started = time.monotonic()
+        try:
+            try:
+                await self.f.endpoint.connect(s.peer_id, s.maddrs, self.cfg.request_timeout)
+                stream = await self.f.endpoint.open_chunk_stream(s.peer_id, request, self.cfg.request_timeout)
+                await self._read(s, entry, stream, state)
+            finally:  # chunks already received are verified (and kept) whatever happened after them
+                if stream is not None:
+                    stream.close()
+                results = await asyncio.gather(*state.verifying, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            if pick and not state.done:  # the publisher handed all of them out just now: ask who got them
+                s.busy_until = time.monotonic() + self.cfg.have_period
+            received = sum(manifest.chunks[i].size for i in state.done if i in state.mine or pick)
+            if received:  # bytes/s of this stream, smoothed
+                rate = received / max(time.monotonic() - started, 1e-3)
+                s.rate = rate if s.rate is None else 0.5 * s.rate + 0.5 * rate
+        except StreamViolation as exc:
+            self.f.stats.rejected[exc.reason] += 1
+            self.f._ban(s.peer_id, exc.reason)
+            s.dropped = True
+        except RemoteError as exc:
+            reason = str(exc)
+            if reason == "not_held":
+                s.complete.discard(digest)
+                s.partial.discard(digest)
+            elif reason == "busy":
+                s.busy_until = time.monotonic() + 0.5
+            else:
+                self._fail(s, "remote_error", exc)
+        except _Broken as exc:
+            self.f.stats.rejected[exc.reason] += 1
+            self._fail(s, exc.reason, exc)
+        except asyncio.IncompleteReadError as exc:
+            self.f.stats.rejected["truncated"] += 1
+            self._fail(s, "truncated", exc)
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            self._fail(s, "timeout", exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(s, "error", exc)
+        finally:
+            self.picks[digest] -= state.picks_left
+            s.inflight -= 1
+            for (
+                i
+            ) in state.mine:  # this request's chunks only (another stream to the same provider keeps its own)
+                self._release(digest, i, s)
+            self.wake.set()
+
+    async def _read(self, s: _Source, entry: ServedVersion, stream, state: _StreamState) -> None:
+        """Read parts until the stream ends, checking each against the request and the manifest.
+
+        A completed chunk is verified in a worker thread while the stream goes on (``state.verifying``).
+        """
+        digest, manifest = entry.digest, entry.manifest
+        current: int | None = None
+        pieces: list[bytes] = []
+        got = 0
+        deadline = time.monotonic() + self.cfg.chunk_timeout  # for the chunk being received (or the first)
+        while True:
+            part = await stream.next(max(0.0, deadline - time.monotonic()))
+            if part is None:
+                break
+            if part.error:
+                raise RemoteError(part.error)
+            i = part.index
+            if i not in state.expected or i in state.done:
+                raise StreamViolation("unexpected_chunk", f"chunk {i} was not asked for")
+            if part.missing:
+                s.have.get(digest, set()).discard(i)
+                state.done.add(i)
+                self._release(digest, i, s)
+                continue
+            size = manifest.chunks[i].size
+            if current != i:
+                if current is not None:
+                    raise StreamViolation("truncated", f"chunk {current} ended at {got} bytes")
+                current, pieces, got = i, [], 0
+                deadline = time.monotonic() + self.cfg.chunk_timeout  # a slow provider cannot hold it forever
+                if state.picks_left:
+                    state.picks_left -= 1
+                    self.picks[digest] -= 1
+                if i not in self.inflight[digest]:
+                    self.inflight[digest][i] = s
+                    entry.fetching.add(i)
+                    state.mine.add(i)
+            if part.offset != got:
+                raise StreamViolation("bad_offset", f"chunk {i}: offset {part.offset}, expected {got}")
+            data = part.data  # each access to a bytes field copies it: once only
+            if part.chunk_size != size or got + len(data) > size:
+                raise StreamViolation("oversized", f"chunk {i} exceeds its {size} bytes")
+            pieces.append(data)
+            got += len(data)
+            if got == size:
+                chunk = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                state.verifying.append(asyncio.ensure_future(self._store(s, entry, i, chunk)))
+                state.done.add(i)
+                current, pieces, got = None, [], 0
+                deadline = time.monotonic() + self.cfg.chunk_timeout  # for the next chunk's first part
+        if current is not None:
+            raise _Broken("truncated", f"stream ended inside chunk {current}")
+        if not state.pick and state.expected - state.done:
+            raise _Broken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
+
+    def _release(self, digest: str, index: int, s: _Source) -> None:
+        if self.inflight[digest].get(index) is s:
+            del self.inflight[digest][index]
+            self.entries[digest].fetching.discard(index)
+            if index in self.missing[digest]:
+                self.f.stats.retries += 1
+
+    def _fail(self, s: _Source, reason: str, exc: BaseException) -> None:
+        self.f.stats.failures[reason] += 1
+        s.failures += 1
+        logger.info("provider %s: %s (%r)", s.peer_id[-8:], reason, exc)
+        if (
+            s.publisher
+        ):  # the source of truth is never given up on for trouble: it is retried, later and later
+            s.busy_until = time.monotonic() + min(0.25 * 2**s.failures, 5.0)
+            return
+        if s.failures >= self.cfg.max_provider_failures and not s.dropped:
+            s.dropped = True
+            self.f.endpoint.forget(s.peer_id)
+            logger.info(
+                "dropping provider %s for this fetch after %d failures (%s)",
+                s.peer_id[-8:],
+                s.failures,
+                reason,
+            )
+
+    async def _store(self, s: _Source, entry: ServedVersion, index: int, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            new = await loop.run_in_executor(self.f._verifier, entry.store.put, index, data)
+        except ChunkDigestError:
+            raise StreamViolation(
+                "bad_digest", f"chunk {index} of version {entry.manifest.version}"
+            ) from None
+        except ChunkError as exc:
+            raise StreamViolation("bad_chunk", str(exc)) from None
+        self.used.add(s.peer_id)
+        self.f.stats.bytes_by_provider[s.peer_id] += len(data)
+        if not new:
+            self.duplicate_bytes += len(data)
+            return
+        s.failures = 0
+        self.missing[entry.digest].discard(index)
+        self.inflight[entry.digest].pop(index, None)
+        entry.fetching.discard(index)
+        self.bytes_done += len(data)
+        self.last_progress = time.monotonic()
+        self.wake.set()  # the main loop notices completion (and free candidates) at once
+        if self.f.on_progress is not None:
+            try:
+                self.f.on_progress(
+                    FetchProgress(
+                        version=self.record.version,
+                        chunks_done=self.chunks_total - sum(len(m) for m in self.missing.values()),
+                        chunks_total=self.chunks_total,
+                        bytes_done=self.bytes_done,
+                        bytes_total=self.bytes_total,
+                        providers=len(self.used),
+                        elapsed=time.monotonic() - self.started,
+                    )
+                )
+            except Exception:
+                logger.exception("progress callback failed")
+
+
+@dataclass
+class _StreamState:
+    """Bookkeeping of one chunk stream."""
+
+    expected: set[int]  # indices asked for (candidates, in pick mode)
+    mine: set[int]  # indices this stream marked in flight
+    pick: int  # 0: the provider sends every index asked; k: at most k of its choice
+    picks_left: int  # pick mode: chunks the provider may still start
+    done: set[int] = field(default_factory=set)  # indices fully received (or reported missing)
+    verifying: list[asyncio.Future] = field(default_factory=list)
+
+
+class _Broken(Exception):
+    """A stream that ended early (the provider died or cut it): counted, retried elsewhere, not banned."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
