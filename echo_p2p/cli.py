@@ -63,6 +63,20 @@ def network_flags(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def task_option(text: str) -> tuple[str, object]:
+    """``--task-option KEY=VALUE``: the value is read as a YAML scalar (``9`` is an int, ``abc`` a string)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"bad value in {text!r}: {exc}") from None
+    return key.strip(), parsed
+
+
 def fail(message: str, code: int) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)

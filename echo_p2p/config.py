@@ -146,6 +146,20 @@ class RunSettings(StrictModel):
         default=None, ge=1, description="Completion length cap; None: the task's own cap"
     )
 
+    @model_validator(mode="after")
+    def _task(self) -> RunSettings:
+        """Unknown tasks and bad task options fail here, before any network start."""
+        from echo_p2p.tasks import TaskError, task_options_model
+
+        try:
+            task_options_model(self.task).model_validate(self.task_options)
+        except TaskError as exc:
+            raise ValueError(str(exc)) from None
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"bad task_options for task {self.task!r}: {problems}") from None
+        return self
+
     def sampling_params(self, task_max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature,

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from echo_p2p.cli import EXIT_CONFIG, EXIT_START, fail
+from echo_p2p.cli import EXIT_CONFIG, EXIT_START, fail, task_option
+from echo_p2p.report import progress_line, reward_reached, write_report
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -35,9 +38,12 @@ class LocalSwarmConfig:
     task: str = "count"
     model: str = "tiny"
     extra_peer_args: tuple[str, ...] = ()
+    task_options: tuple[str, ...] = ()  # KEY=VALUE, passed to every peer (or the co-located run)
     # On one machine, inference peers yield the CPU to trainers (on a real swarm each has its own)
     inference_nice: int = 5
     until_reward: float | None = None  # stop once the trainers' 10-step mean reward reaches this
+    colocated: bool = False  # run the co-located baseline (one process) instead of a swarm
+    threads: int = 1  # torch threads of each peer (or of the co-located process)
     status_period: float = 5.0
     heartbeat_period: float = 2.0
     workdir: str = field(default_factory=lambda: os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
@@ -59,6 +65,7 @@ class LocalSwarm:
         self.children: list[Child] = []
         self.stop_event = threading.Event()
         self.bootstrap_maddr: str | None = None
+        self.started_at = time.time()
 
     def _spawn(self, name: str, *args: str, nice: int = 0) -> Child:
         log = self.workdir / "logs" / f"{name}.log"
@@ -78,6 +85,10 @@ class LocalSwarm:
 
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.time()
+        if self.config.colocated:
+            self.start_colocated()
+            return
         maddrs_file = self.workdir / "bootstrap.maddrs"
         boot = self._spawn(
             "bootstrap",
@@ -111,11 +122,12 @@ class LocalSwarm:
             "--heartbeat-period",
             str(self.config.heartbeat_period),
             "--threads",
-            "1",
+            str(self.config.threads),
             "--task",
             self.config.task,
             "--model",
             self.config.model,
+            *self._task_option_flags(),
             *self.config.extra_peer_args,
         ]
         trusted = self.make_trainer_identities()
@@ -133,6 +145,20 @@ class LocalSwarm:
                 *("--trusted-trainers", str(trusted), "--seed", str(1000 + i)),
                 nice=self.config.inference_nice,
             )
+
+    def start_colocated(self) -> None:
+        """The baseline: one process that alternates sampling and training (``echo_p2p.colocated``)."""
+        config = self.config
+        self._spawn(
+            "colocated",
+            *("-m", "echo_p2p.colocated", "--task", config.task, "--model", config.model),
+            *("--steps", "0", "--duration", str(config.duration or 10**9), "--threads", str(config.threads)),
+            *("--metrics-dir", str(self.workdir / "metrics"), "--name", config.run_id),
+            *self._task_option_flags(),
+        )
+
+    def _task_option_flags(self) -> list[str]:
+        return [arg for option in self.config.task_options for arg in ("--task-option", option)]
 
     def make_trainer_identities(self) -> Path:
         """Create the trainers' identities up front and the run's trusted-trainers file from them."""
@@ -175,31 +201,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def training_progress(metrics_dir: Path) -> list[dict]:
-    """Every per-step line the trainers wrote so far (those with a ``step`` field), oldest first."""
-    from echo_p2p.metrics import read_metrics
-
-    lines: list[dict] = []
-    for path in sorted(metrics_dir.glob("trainer-*.jsonl")) if metrics_dir.exists() else []:
-        lines += [x for x in read_metrics(str(path)) if "step" in x and "reward_mean" in x]
-    return sorted(lines, key=lambda x: x["time"])
-
-
-def format_progress(lines: list[dict], window: int = 10) -> str:
-    last = lines[-window:]
-    reward = sum(x["reward_mean"] for x in last) / len(last)
-    first = lines[:window]
-    reward0 = sum(x["reward_mean"] for x in first) / len(first)
-    newest = lines[-1]
-    return (
-        f"training: step {newest['step']}, version {newest['version']}, reward {reward:.3f} "
-        f"(first {len(first)} steps: {reward0:.3f}), rollouts consumed {newest.get('rollouts_consumed')}, "
-        f"dropped stale {newest.get('dropped_stale', 0)}, trainer idle {100 * newest.get('idle_fraction', 0):.0f}%"
-    )
-
-
 def watch(swarm: LocalSwarm) -> int:
-    """Print the run's status table until the duration ends, Ctrl-C, or a child dies; returns an exit code."""
+    """Print the run's status until the duration ends, Ctrl-C, or a child dies; returns an exit code."""
+    config = swarm.config
+    if config.colocated:
+        return _watch_loop(swarm, None)
     from echo_p2p.config import NetworkConfig
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
@@ -207,39 +213,70 @@ def watch(swarm: LocalSwarm) -> int:
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.swarm import format_table, peer_rows
 
-    config = swarm.config
     keys = SwarmKeys(config.run_id)
     identity = load_or_create_identity(None)
     network = NetworkConfig(initial_peers=[swarm.bootstrap_maddr], host_maddrs=[LOOPBACK])
     dht = start_dht(network, identity, [keys], client_mode=True)
     directory = SwarmDirectory(dht, keys, identity, request_timeout=5.0)
-    t0 = time.monotonic()
-    code = 0
     try:
-        while not swarm.stop_event.is_set():
-            rows = peer_rows(directory.peers(), time.time())
-            print(f"\n[{time.monotonic() - t0:5.1f} s] " + format_table(config.run_id, rows), flush=True)
-            progress = training_progress(swarm.workdir / "metrics")
-            if progress:
-                print(format_progress(progress), flush=True)
-            dead = [c for c in swarm.dead_children()]
-            if dead:
-                for c in dead:
-                    print(f"{c.name} exited with code {c.proc.returncode}; see {c.log}", file=sys.stderr)
-                code = 1
-                break
-            if config.duration and time.monotonic() - t0 >= config.duration:
-                break
-            if config.until_reward is not None and progress and len(progress) >= 10:
-                recent = progress[-10:]
-                if sum(x["reward_mean"] for x in recent) / len(recent) >= config.until_reward:
-                    print(f"reward reached {config.until_reward}: stopping", flush=True)
-                    break
-            swarm.stop_event.wait(config.status_period)
+        return _watch_loop(
+            swarm, lambda: format_table(config.run_id, peer_rows(directory.peers(), time.time()))
+        )
     finally:
         stop_dht(dht)
         identity.cleanup()
-    return code
+
+
+def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
+    config = swarm.config
+    metrics_dir = swarm.workdir / "metrics"
+    t0 = time.monotonic()
+    while not swarm.stop_event.is_set():
+        head = f"\n[{time.monotonic() - t0:5.1f} s]"
+        print(f"{head} {table()}" if table else head, flush=True)
+        progress = progress_line(metrics_dir)
+        if progress:
+            print(progress, flush=True)
+        dead = swarm.dead_children()
+        if config.colocated and dead and dead[0].proc.returncode == 0:
+            return 0  # the co-located run ended its --duration by itself
+        if dead:
+            for c in dead:
+                print(f"{c.name} exited with code {c.proc.returncode}; see {c.log}", file=sys.stderr)
+            return 1
+        if config.duration and time.monotonic() - t0 >= config.duration:
+            return 0
+        if config.until_reward is not None and reward_reached(metrics_dir, config.until_reward):
+            print(f"reward reached {config.until_reward}: stopping", flush=True)
+            return 0
+        swarm.stop_event.wait(config.status_period)
+    return 0
+
+
+def report_end(swarm: LocalSwarm) -> None:
+    """Print the run's summary and write summary.json and reward.png into the workdir."""
+    config = swarm.config
+    what = (
+        "co-located"
+        if config.colocated
+        else f"{config.mode}, {config.trainers} trainer(s), {config.inference} inference"
+    )
+    title = f"{config.task} on {config.model} ({what})"
+    try:
+        written = write_report(swarm.workdir / "metrics", swarm.workdir, title, start=swarm.started_at)
+    except Exception as exc:  # a report must never hide the run's own exit code
+        print(f"could not write the report: {exc}", file=sys.stderr)
+        return
+    if written["summary"] is None:
+        print("summary: no training step was taken", flush=True)
+        return
+    from echo_p2p.report import RunSummary
+
+    summary = RunSummary(**written["summary"])
+    print("summary:", flush=True)
+    for line in summary.lines():
+        print(f"  {line}", flush=True)
+    print(f"  metrics {written['summary_path']}; plot {written.get('plot_path', '-')}", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", default=d.task, help="task of the run (default: count, learnable in minutes)"
     )
     parser.add_argument("--model", choices=["tiny", "smollm2"], default=d.model, help="model preset")
+    parser.add_argument(
+        "--task-option",
+        action="append",
+        type=task_option,
+        metavar="KEY=VALUE",
+        default=[],
+        help="an option of the task for every peer, e.g. --task-option max_n=9 (repeatable)",
+    )
     parser.add_argument("--duration", type=float, default=d.duration, help="seconds to run; 0 = until Ctrl-C")
     parser.add_argument(
         "--until-reward",
@@ -264,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop early once the 10-step mean reward reaches this",
     )
     parser.add_argument("--status-period", type=float, default=d.status_period, help="seconds between tables")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="run the co-located baseline instead: one process that alternates sampling and training",
+    )
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads of each process")
+    parser.add_argument(
+        "--peer-args",
+        default="",
+        help="more flags for every peer, e.g. --peer-args='--max-staleness 8' (see python -m echo_p2p.peer --help)",
+    )
     parser.add_argument(
         "--workdir", default=None, help="logs and metrics go here (default runs/local-<time>)"
     )
@@ -278,6 +334,11 @@ def main(argv: list[str] | None = None) -> None:
         validate_run_id(args.run_id)
         if args.trainers < 1 or args.inference < 0 or args.duration < 0 or args.status_period <= 0:
             raise ValueError("need --trainers >= 1, --inference >= 0, --duration >= 0, --status-period > 0")
+        if args.threads < 1:
+            raise ValueError("need --threads >= 1")
+        peer_args = tuple(shlex.split(args.peer_args))
+        if args.colocated and peer_args:
+            raise ValueError("--peer-args applies to swarm peers, not to --colocated")
     except ValueError as exc:
         fail(str(exc), EXIT_CONFIG)
     config = LocalSwarmConfig(
@@ -290,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         duration=args.duration,
         until_reward=args.until_reward,
         status_period=args.status_period,
+        colocated=args.colocated,
+        threads=args.threads,
+        extra_peer_args=peer_args,
+        task_options=tuple(f"{k}={v}" for k, v in args.task_option),
     )
     if args.workdir:
         config.workdir = args.workdir
@@ -301,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: swarm.stop_event.set())
     code = 0
     try:
-        print(f"starting a local swarm in {swarm.workdir} (Ctrl-C stops it)", flush=True)
+        what = "the co-located baseline" if config.colocated else f"a local swarm ({config.mode} mode)"
+        print(f"starting {what} in {swarm.workdir} (Ctrl-C stops it)", flush=True)
         swarm.start()
         if not swarm.stop_event.is_set():
             code = watch(swarm)
@@ -311,9 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         swarm.shutdown()
         print(f"stopped {len(swarm.children)} processes; logs and metrics in {swarm.workdir}", flush=True)
-        progress = training_progress(swarm.workdir / "metrics")
-        if progress:
-            print("summary: " + format_progress(progress), flush=True)
+        report_end(swarm)
     sys.exit(code)
 
 

@@ -17,6 +17,7 @@ from echo_p2p.cli import (
     fail,
     network_flags,
     run_peer,
+    task_option,
 )
 
 
@@ -50,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model-path", metavar="DIR", default=None, help="a local model directory instead")
     run.add_argument("--gguf-file", metavar="FILE", default=None, help="a GGUF file instead")
     run.add_argument("--task", default=None, help="task: count, letter, arithmetic, sokoban, plugin")
+    run.add_argument(
+        "--task-option",
+        action="append",
+        type=task_option,
+        metavar="KEY=VALUE",
+        default=None,
+        help="an option of the task, e.g. --task-option max_n=9 (repeatable)",
+    )
     run.add_argument("--group-size", type=int, default=None, help="completions per prompt (G)")
     run.add_argument("--temperature", type=float, default=None, help="sampling temperature")
     run.add_argument("--max-new-tokens", type=int, default=None, help="completion length cap")
@@ -68,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
     tr.add_argument("--max-steps", type=int, default=None, help="stop after this many training steps")
     tr.add_argument("--lr", type=float, default=None, help="learning rate of the trainers' AdamW")
+    tr.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="async: drop rollouts more than this many versions old",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=None, help="seed of prompt choice and sampling")
     add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/0: all interfaces, a free port")
@@ -97,6 +112,8 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.resume": args.resume,
         "trainer.max_steps": args.max_steps,
         "trainer.collab.lr": args.lr,
+        "trainer.max_staleness": args.max_staleness,
+        "run.task_options": dict(args.task_option) if args.task_option else None,
         **network_flags(args),
     }
     model: dict[str, str] = {}

@@ -43,6 +43,7 @@ class TrainerPeer(BasePeer):
         self.is_publisher = False
         self._work_started = time.monotonic()
         self._published_version: int | None = None
+        self._publishing = None  # the background publish in flight (async mode), a Future
         self._stepper = None
         self.optimizer = None
         self.publisher = None
@@ -163,6 +164,7 @@ class TrainerPeer(BasePeer):
                 batch = self._collect_sync()
             self.idle_seconds += time.monotonic() - t0
             if batch is None:
+                self._maybe_publish()  # a version skipped while a publish was in flight goes out now
                 continue
             self._train(batch)
         self.stop_event.set()
@@ -273,15 +275,34 @@ class TrainerPeer(BasePeer):
             )
 
     def _maybe_publish(self) -> None:
+        """Publish the held version if this trainer is the publisher and has not published it yet.
+
+        Sync mode publishes in line: the next batch is asked for at this version. Async mode snapshots the
+        weights and encodes, signs and announces them in the publisher's worker thread while training
+        goes on; while one publish is in flight newer versions wait, and only the newest goes out next.
+        """
         from echo_p2p.weights import named_tensors
 
         version = self.policy_version or 0
         if not self.is_publisher or self._published_version == version:
             return
         t0 = time.monotonic()
-        self.publisher.publish(named_tensors(self.model), version)
+        if self.config.mode == "sync":
+            self.publisher.publish(named_tensors(self.model), version)
+        else:
+            if self._publishing is not None:
+                if not self._publishing.done():
+                    return
+                self._publish_done()
+            self._publishing = self.publisher.publish_in_background(named_tensors(self.model), version)
         self.publish_seconds += time.monotonic() - t0
         self._published_version = version
+
+    def _publish_done(self) -> None:
+        future, self._publishing = self._publishing, None
+        exc = future.exception() if future is not None else None
+        if exc is not None:
+            logger.error("%s publishing a version failed: %r", self.prefix(), exc)
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         if self.checkpoints is None:

@@ -6,6 +6,7 @@ trainer's metrics: the mean reward the trainer measured (re-scored by its own ve
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -66,7 +67,31 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
         assert all(s["staleness_hist"] == {"0": s["staleness_hist"].get("0")} for s in steps), (
             "sync is on-policy"
         )
-    assert "summary: training:" in proc.stdout
+    assert "summary:" in proc.stdout and "rollout groups consumed" in proc.stdout, proc.stdout[-2000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["kind"] == "swarm" and summary["steps"] == len(steps)
+    assert summary["reward_final"] > summary["reward_first"] + 0.15
+    assert (workdir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_local_colocated_baseline_reports_like_the_swarm(tmp_path):
+    workdir = tmp_path / "colo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo_p2p.local", "--colocated", "--duration", "120", "--until-reward", "0.3"]
+        + ["--status-period", "2", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting the co-located baseline" in proc.stdout
+    assert "reward reached 0.3: stopping" in proc.stdout, proc.stdout[-2000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["kind"] == "colocated" and summary["reward_final"] >= 0.3
+    assert summary["steps"] == len(
+        list(read_metrics(str(next((workdir / "metrics").glob("colocated-*.jsonl")))))
+    )
+    assert (workdir / "reward.png").stat().st_size > 5000
 
 
 def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_path):

@@ -1,0 +1,265 @@
+"""What a finished (or running) local run did: a summary of the metrics files and a reward-versus-time PNG.
+
+Owned here: reading the per-step lines that trainers (``trainer-*.jsonl``) and the co-located baseline
+(``colocated-*.jsonl``) write through ``echo_p2p.metrics``, turning them into ``RunSummary`` (steps,
+versions, reward at the start and the end, rollouts consumed, dropped and refused, trainer idle share,
+rollouts per second, staleness), the one-line progress of the live view, and ``plot_reward``.
+Callers: ``echo_p2p.local`` (live view and end of run) and the benchmarks. No torch, no hivemind;
+matplotlib is imported only by ``plot_reward``, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from echo_p2p.metrics import read_metrics
+
+#: Steps in a reward mean (the live view, the summary and the plot's smoothed line).
+WINDOW = 10
+
+
+def step_lines(metrics_dir: Path, role: str = "trainer") -> dict[str, list[dict[str, Any]]]:
+    """Per-step lines of every ``<role>-*.jsonl`` in ``metrics_dir``, by file stem, each sorted by time."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    if not metrics_dir.exists():
+        return out
+    for path in sorted(metrics_dir.glob(f"{role}-*.jsonl")):
+        lines = [x for x in read_metrics(str(path)) if "step" in x and "reward_mean" in x]
+        if lines:
+            out[path.stem] = sorted(lines, key=lambda x: x["time"])
+    return out
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def moving_mean(values: list[float], window: int = WINDOW) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def mean_staleness(hist: dict[str, int] | None) -> float | None:
+    """Mean of a ``staleness_hist`` (``{"versions behind": groups}``) or None when empty."""
+    if not hist:
+        return None
+    n = sum(hist.values())
+    return sum(int(k) * v for k, v in hist.items()) / n if n else None
+
+
+@dataclass
+class RunSummary:
+    """The figures a newcomer wants at the end of a run (all trainers together, or the co-located run)."""
+
+    kind: str  # "swarm" or "colocated"
+    steps: int = 0
+    versions: int = 0
+    seconds_training: float = 0.0  # first to last step line
+    reward_first: float = float("nan")  # mean of the first WINDOW steps
+    reward_final: float = float("nan")  # mean of the last WINDOW steps
+    rollouts_consumed: int = 0
+    rollouts_per_second: float = 0.0
+    dropped_stale: int = 0
+    refused_at_ingest: dict[str, int] = field(default_factory=dict)
+    trainer_idle_fraction: float | None = None
+    mean_staleness: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"steps {self.steps}, policy versions {self.versions}, "
+            f"{self.seconds_training:.0f} s from the first to the last step",
+            f"reward {self.reward_first:.3f} (first {WINDOW} steps) -> {self.reward_final:.3f} (last {WINDOW})",
+            f"rollout groups consumed {self.rollouts_consumed} ({self.rollouts_per_second:.1f}/s)",
+        ]
+        if self.kind == "swarm":
+            refused = sum(self.refused_at_ingest.values())
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.refused_at_ingest.items())) or "none"
+            out.append(
+                f"dropped from the buffer as stale {self.dropped_stale}, refused at ingest {refused} ({reasons})"
+            )
+            idle = "-" if self.trainer_idle_fraction is None else f"{100 * self.trainer_idle_fraction:.0f}%"
+            stale = "-" if self.mean_staleness is None else f"{self.mean_staleness:.2f}"
+            out.append(f"trainer idle {idle}, mean staleness of consumed rollouts {stale} versions")
+        return out
+
+
+def summarize(metrics_dir: Path) -> RunSummary | None:
+    """Summary of the trainers' lines, else of the co-located run's, else None (nothing trained yet)."""
+    trainers = step_lines(metrics_dir, "trainer")
+    if trainers:
+        return _summarize_swarm(trainers)
+    colocated = step_lines(metrics_dir, "colocated")
+    if colocated:
+        return _summarize_colocated(next(iter(colocated.values())))
+    return None
+
+
+def _summarize_swarm(trainers: dict[str, list[dict[str, Any]]]) -> RunSummary:
+    merged = sorted((x for lines in trainers.values() for x in lines), key=lambda x: x["time"])
+    rewards = [x["reward_mean"] for x in merged]
+    lasts = [lines[-1] for lines in trainers.values()]
+    refused: dict[str, int] = {}
+    for last in lasts:
+        for reason, n in (last.get("rejected") or {}).items():
+            refused[reason] = refused.get(reason, 0) + int(n)
+    staleness_total, staleness_n = 0.0, 0
+    for x in merged:
+        hist = x.get("staleness_hist") or {}
+        staleness_total += sum(int(k) * v for k, v in hist.items())
+        staleness_n += sum(hist.values())
+    seconds = merged[-1]["time"] - merged[0]["time"]
+    consumed = sum(int(last.get("rollouts_consumed", 0)) for last in lasts)
+    idles = [last["idle_fraction"] for last in lasts if last.get("idle_fraction") is not None]
+    return RunSummary(
+        kind="swarm",
+        steps=sum(
+            int(last.get("steps", len(lines))) for last, lines in zip(lasts, trainers.values(), strict=True)
+        ),
+        versions=max(int(x.get("version") or 0) for x in merged),
+        seconds_training=seconds,
+        reward_first=mean(rewards[:WINDOW]),
+        reward_final=mean(rewards[-WINDOW:]),
+        rollouts_consumed=consumed,
+        rollouts_per_second=_rate(trainers),
+        dropped_stale=sum(int(last.get("dropped_stale", 0)) for last in lasts),
+        refused_at_ingest=refused,
+        trainer_idle_fraction=mean(idles) if idles else None,
+        mean_staleness=staleness_total / staleness_n if staleness_n else None,
+    )
+
+
+def _rate(trainers: dict[str, list[dict[str, Any]]]) -> float:
+    """Rollout groups consumed per second by all trainers, between each one's first and last step."""
+    total = 0.0
+    for lines in trainers.values():
+        if len(lines) >= 2 and lines[-1]["time"] > lines[0]["time"]:
+            consumed = int(lines[-1].get("rollouts_consumed", 0)) - int(lines[0].get("rollouts_consumed", 0))
+            total += consumed / (lines[-1]["time"] - lines[0]["time"])
+    return total
+
+
+def _summarize_colocated(lines: list[dict[str, Any]]) -> RunSummary:
+    rewards = [x["reward_mean"] for x in lines]
+    seconds = lines[-1]["time"] - lines[0]["time"]
+    consumed = int(lines[-1].get("rollouts_consumed", 0))
+    sampling = sum(x.get("sampling_s", 0.0) + x.get("scoring_s", 0.0) for x in lines)
+    step_time = sum(x.get("step_s", 0.0) for x in lines)
+    return RunSummary(
+        kind="colocated",
+        steps=len(lines),
+        versions=int(lines[-1].get("version") or 0),
+        seconds_training=seconds,
+        reward_first=mean(rewards[:WINDOW]),
+        reward_final=mean(rewards[-WINDOW:]),
+        rollouts_consumed=consumed,
+        rollouts_per_second=(consumed - int(lines[0].get("rollouts_consumed", 0))) / seconds
+        if seconds > 0
+        else 0.0,
+        # the learner waits while the same process samples and scores
+        trainer_idle_fraction=sampling / step_time if step_time > 0 else None,
+        mean_staleness=0.0,
+    )
+
+
+def progress_line(metrics_dir: Path) -> str | None:
+    """The live view's training line: step, version, reward, rollouts/s, staleness, drops, idle."""
+    trainers = step_lines(metrics_dir, "trainer")
+    kind = "training"
+    if not trainers:
+        trainers = step_lines(metrics_dir, "colocated")
+        kind = "co-located"
+    if not trainers:
+        return None
+    merged = sorted((x for lines in trainers.values() for x in lines), key=lambda x: x["time"])
+    newest = merged[-1]
+    recent = merged[-WINDOW:]
+    line = (
+        f"{kind}: step {len(merged)}, version {newest.get('version')}, "
+        f"reward {mean([x['reward_mean'] for x in recent]):.3f} "
+        f"(first {min(WINDOW, len(merged))} steps: {mean([x['reward_mean'] for x in merged[:WINDOW]]):.3f}), "
+        f"{_rate(trainers):.1f} rollouts/s"
+    )
+    stale = mean_staleness(newest.get("staleness_hist"))
+    if stale is not None:
+        line += f", staleness {stale:.1f}"
+    if kind == "training":
+        consumed = sum(int(lines[-1].get("rollouts_consumed", 0)) for lines in trainers.values())
+        dropped = sum(int(lines[-1].get("dropped_stale", 0)) for lines in trainers.values())
+        idle = mean([lines[-1].get("idle_fraction", 0.0) for lines in trainers.values()])
+        line += f", consumed {consumed}, dropped stale {dropped}, trainer idle {100 * idle:.0f}%"
+    return line
+
+
+def reward_reached(metrics_dir: Path, target: float) -> bool:
+    """True once the mean reward of the last WINDOW steps (all trainers together) is at least ``target``."""
+    trainers = step_lines(metrics_dir, "trainer") or step_lines(metrics_dir, "colocated")
+    merged = sorted((x for lines in trainers.values() for x in lines), key=lambda x: x["time"])
+    return len(merged) >= WINDOW and mean([x["reward_mean"] for x in merged[-WINDOW:]]) >= target
+
+
+def plot_reward(
+    curves: dict[str, list[tuple[float, float]]], path: Path, title: str, xlabel: str = "seconds since start"
+) -> Path:
+    """Write a PNG of reward against time (or steps): each curve's points and its WINDOW-step moving mean.
+
+    ``curves`` maps a label to ``[(x, reward), ...]`` in x order.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for i, (label, points) in enumerate(curves.items()):
+        if not points:
+            continue
+        color = f"C{i}"
+        xs, ys = zip(*points, strict=True)
+        ax.scatter(xs, ys, s=6, alpha=0.25, color=color)
+        ax.plot(xs, moving_mean(list(ys)), color=color, label=f"{label} ({WINDOW}-step mean)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def reward_curves(metrics_dir: Path, start: float | None = None) -> dict[str, list[tuple[float, float]]]:
+    """``{label: [(seconds since start, reward)]}`` for every trainer and co-located run in ``metrics_dir``;
+    ``start`` defaults to the earliest step line."""
+    runs = {**step_lines(metrics_dir, "trainer"), **step_lines(metrics_dir, "colocated")}
+    if not runs:
+        return {}
+    t0 = start if start is not None else min(lines[0]["time"] for lines in runs.values())
+    return {
+        name[:22]: [(x["time"] - t0, float(x["reward_mean"])) for x in lines] for name, lines in runs.items()
+    }
+
+
+def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | None = None) -> dict[str, Any]:
+    """Write ``summary.json`` and ``reward.png`` into ``out_dir``; returns what was written (paths, summary)."""
+    summary = summarize(metrics_dir)
+    written: dict[str, Any] = {"summary": summary.as_dict() if summary else None}
+    (out_dir / "summary.json").write_text(json.dumps(written["summary"], indent=2) + "\n")
+    written["summary_path"] = str(out_dir / "summary.json")
+    curves = reward_curves(metrics_dir, start)
+    if curves:
+        written["plot_path"] = str(plot_reward(curves, out_dir / "reward.png", title))
+    return written

@@ -1,0 +1,122 @@
+"""The end-of-run report: summary figures from metrics files, the live progress line and the reward PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from echo_p2p.metrics import MetricsWriter
+from echo_p2p.report import (
+    WINDOW,
+    mean_staleness,
+    moving_mean,
+    plot_reward,
+    progress_line,
+    reward_curves,
+    reward_reached,
+    summarize,
+    write_report,
+)
+
+
+def write_trainer(metrics_dir, peer, steps, *, t0=1000.0, reward=lambda i: i / 100, rejected=None):
+    writer = MetricsWriter(str(metrics_dir), "trainer", peer)
+    lines = []
+    for i in range(steps):
+        line = writer.write(
+            i + 1,
+            step=i + 1,
+            reward_mean=reward(i),
+            staleness_hist={"0": 8, "2": 8},
+            rollouts_consumed=16 * (i + 1),
+            dropped_stale=3 * i,
+            idle_fraction=0.25,
+            rejected=rejected or {},
+        )
+        line["time"] = t0 + i  # one step a second, written back so the test controls time
+        lines.append(line)
+    path = metrics_dir / f"trainer-{peer}.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"torn": ')
+    return lines
+
+
+def test_swarm_summary_adds_up_trainers_and_reads_the_reward_rise(tmp_path):
+    write_trainer(tmp_path, "a", 30, rejected={"too_stale": 5})
+    write_trainer(tmp_path, "b", 20, t0=1000.5, rejected={"too_stale": 1, "bad_reward": 2})
+    s = summarize(tmp_path)
+    assert s.kind == "swarm"
+    assert s.steps == 50 and s.versions == 30
+    assert s.rollouts_consumed == 16 * 30 + 16 * 20
+    assert s.dropped_stale == 3 * 29 + 3 * 19
+    assert s.refused_at_ingest == {"too_stale": 6, "bad_reward": 2}
+    assert s.rollouts_per_second == pytest.approx(16 + 16)  # each trainer 16 groups a second
+    assert s.mean_staleness == pytest.approx(1.0)
+    assert s.trainer_idle_fraction == pytest.approx(0.25)
+    assert s.reward_first < 0.06 and s.reward_final > 0.2
+    text = "\n".join(s.lines())
+    assert "too_stale 6" in text and "reward 0.0" in text
+
+
+def test_colocated_summary_and_idle_share(tmp_path):
+    writer = MetricsWriter(str(tmp_path), "colocated", "base")
+    for i in range(12):
+        writer.write(
+            i + 1,
+            step=i,
+            reward_mean=0.5,
+            rollouts_consumed=16 * (i + 1),
+            step_s=0.1,
+            sampling_s=0.02,
+            scoring_s=0.01,
+        )
+    s = summarize(tmp_path)
+    assert s.kind == "colocated" and s.steps == 12 and s.rollouts_consumed == 192
+    assert s.trainer_idle_fraction == pytest.approx(0.3)
+    assert s.reward_final == pytest.approx(0.5)
+
+
+def test_nothing_trained_gives_no_summary_and_no_plot(tmp_path):
+    assert summarize(tmp_path / "missing") is None
+    written = write_report(tmp_path / "missing", tmp_path, "empty")
+    assert written["summary"] is None and "plot_path" not in written
+    assert json.loads((tmp_path / "summary.json").read_text()) is None
+
+
+def test_progress_line_and_reward_target(tmp_path):
+    assert progress_line(tmp_path) is None
+    write_trainer(tmp_path, "a", 25)
+    line = progress_line(tmp_path)
+    assert line.startswith("training: step 25, version 25")
+    assert "staleness 1.0" in line and "16.0 rollouts/s" in line and "trainer idle 25%" in line
+    assert reward_reached(tmp_path, 0.15)  # last ten: 0.15..0.24, mean 0.195
+    assert not reward_reached(tmp_path, 0.2)
+
+
+def test_report_writes_a_png_of_the_curves(tmp_path):
+    write_trainer(tmp_path, "a", 30)
+    written = write_report(tmp_path, tmp_path, "count on tiny")
+    png = tmp_path / "reward.png"
+    assert written["plot_path"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 30
+    curves = reward_curves(tmp_path)
+    (points,) = curves.values()
+    assert points[0] == (0.0, 0.0) and points[-1] == (29.0, 0.29)
+
+
+def test_plot_reward_accepts_several_curves(tmp_path):
+    path = plot_reward({"a": [(0, 0.1), (1, 0.2)], "b": [(0.5, 0.3)], "empty": []}, tmp_path / "x.png", "t")
+    assert path.exists() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_helpers():
+    assert moving_mean([1, 2, 3, 4], window=2) == [1, 1.5, 2.5, 3.5]
+    assert (
+        len(moving_mean(list(range(50)))) == 50
+        and moving_mean(list(range(50)))[-1] == sum(range(40, 50)) / WINDOW
+    )
+    assert mean_staleness({"0": 1, "3": 1}) == 1.5
+    assert mean_staleness({}) is None
+    assert math.isnan(summarize.__globals__["mean"]([]))
