@@ -2,8 +2,10 @@
 
 Owned here: ``_FetchSession`` (used by ``WeightFetcher._fetch``: which chunk to ask of which provider,
 per-chunk deadlines, retries elsewhere on timeout, error, bad digest or a broken stream, banning a provider
-that served bad data, sparing the publisher), its per-provider ``_Source`` state, and the errors and
-progress records a fetch reports (``FetchError``, ``FetchProgress``). Split from ``weights_fetcher`` so that
+that served bad data, sparing the publisher, ending a fetch that cannot complete: ``version_dropped`` at
+once when the publisher no longer serves a manifest of the chain, ``no_providers`` when nobody alive lists
+one), its per-provider ``_Source`` state, and the errors and progress records a fetch reports
+(``FetchError``, ``FetchProgress``). Split from ``weights_fetcher`` so that
 the fetcher keeps the peer-facing API (records, trust, chains, atomic apply) and this module the transfer.
 Must not decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
 """
@@ -75,8 +77,25 @@ class _Source:
         self.polling = False
         self.rate: float | None = None  # bytes/s of its recent streams
 
+    def lists(self, digest: str) -> bool:
+        """Whether it may still serve chunks of ``digest`` (complete, or partial and not gone since)."""
+        return digest in self.complete or digest in self.partial
+
     def holds(self, digest: str, index: int) -> bool:
-        return digest in self.complete or index in self.have.get(digest, ())
+        return digest in self.complete or (digest in self.partial and index in self.have.get(digest, ()))
+
+    def will_hold(self, digest: str, index: int) -> bool:
+        """Holds chunk ``index`` of ``digest`` or is fetching it (so it will serve it soon)."""
+        return self.holds(digest, index) or (
+            digest in self.partial and index in self.fetching.get(digest, ())
+        )
+
+    def forget(self, digest: str) -> None:
+        """It no longer holds ``digest`` (``not_held``, or ``have`` said so): ask it nothing of it again."""
+        self.complete.discard(digest)
+        self.partial.discard(digest)
+        self.have.pop(digest, None)
+        self.fetching.pop(digest, None)
 
 
 class _FetchSession:
@@ -102,6 +121,13 @@ class _FetchSession:
         self.started = time.monotonic()
         self.last_progress = self.started
         self.discover_seconds = 0.0
+        # digests the publisher answered ``not_held`` for: dropped from its served chain (a newer keyframe)
+        self.unserved: set[str] = set()
+        # freshness window: digest -> when the publisher last had nothing fresh to pick (all handed out
+        # recently); the next provider read decides whether anyone else is known to hold them
+        self.empty_picks: dict[str, float] = {}
+        self.no_window: set[str] = set()  # digests asked of the publisher without the window
+        self.refresh_now = False
         publisher = _Source(record.peer_id, record.maddrs, publisher=True)
         publisher.complete = set(self.order)
         if fetcher._banned_until.get(record.peer_id, 0) <= time.monotonic():
@@ -126,6 +152,8 @@ class _FetchSession:
             "missing": {d[:12]: len(m) for d, m in self.missing.items()},
             "in_flight": {d[:12]: len(m) for d, m in self.inflight.items()},
             "picks": {d[:12]: n for d, n in self.picks.items()},
+            "unserved": sorted(d[:12] for d in self.unserved),  # dropped by the publisher
+            "no_window": sorted(d[:12] for d in self.no_window),
             "since_progress": now - self.last_progress,
             "providers": {
                 s.peer_id: {
@@ -147,12 +175,18 @@ class _FetchSession:
     def _alive(self) -> list[_Source]:
         return [s for s in self.sources.values() if not s.dropped]
 
+    def _orphans(self) -> list[str]:
+        """Digests with chunks missing that no live provider holds (nor fetches) any more."""
+        alive = self._alive()
+        return [d for d in self.order if self.missing[d] and not any(s.lists(d) for s in alive)]
+
     async def run(self) -> None:
         deadline = time.monotonic() + self.cfg.fetch_timeout
         try:  # know the other providers before the first request, so the publisher is spared from the start
             await asyncio.wait_for(self._refresh_providers(), self.cfg.request_timeout)
         except asyncio.TimeoutError:
             pass
+        stop = getattr(self.f, "_stop", None)
         self.discover_seconds = time.monotonic() - self.started
         next_refresh = time.monotonic() + self.cfg.provider_refresh
         refreshing = False
@@ -160,19 +194,30 @@ class _FetchSession:
         try:
             while any(self.missing.values()):
                 now = time.monotonic()
+                if stop is not None and stop.is_set():
+                    raise FetchError("stopped", "the fetcher is shutting down")
                 if now > deadline:
                     raise FetchError("timeout")
+                dropped = [d for d in self.order if d in self.unserved and self.missing[d]]
+                if dropped:  # finishing it is pointless: the newest chain starts at a newer keyframe
+                    version = self.entries[dropped[0]].manifest.version
+                    raise FetchError(
+                        "version_dropped",
+                        f"the publisher no longer serves version {version} (a newer keyframe replaced it)",
+                    )
                 if now - self.last_progress > self.cfg.no_progress_timeout:
                     raise FetchError(
                         "no_progress", f"no chunk arrived for {self.cfg.no_progress_timeout:.0f} s"
                     )
-                if now >= next_refresh and not refreshing:
-                    refreshing = True
+                if (now >= next_refresh or self.refresh_now) and not refreshing:
+                    refreshing, self.refresh_now = True, False
 
                     async def refresh() -> None:
                         nonlocal refreshing, next_refresh
                         try:
-                            await self._refresh_providers()
+                            await asyncio.wait_for(self._refresh_providers(), self.cfg.request_timeout)
+                        except asyncio.TimeoutError:
+                            logger.debug("reading providers timed out")
                         finally:
                             refreshing = False
                             next_refresh = time.monotonic() + self.cfg.provider_refresh
@@ -181,7 +226,7 @@ class _FetchSession:
                 self._poll_haves(now)
                 self._schedule(now)
                 busy = any(s.inflight for s in self.sources.values())
-                if not busy and not self._alive():
+                if not busy and self._orphans():  # a manifest nobody alive holds: only a refresh may help
                     lonely_since = lonely_since or now
                     if now - lonely_since > self.cfg.no_provider_timeout:
                         raise FetchError("no_providers", "every provider failed or none holds the version")
@@ -201,6 +246,7 @@ class _FetchSession:
     # ---- providers ------------------------------------------------------------------------------------
     async def _refresh_providers(self) -> None:
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         try:
             found = await loop.run_in_executor(None, self.f.directory.providers)
         except Exception as exc:
@@ -225,6 +271,13 @@ class _FetchSession:
                 source = self.sources[p.peer_id] = _Source(p.peer_id, p.maddrs)
             source.complete |= complete
             source.partial |= partial - source.complete
+        # the publisher had nothing fresh for a digest before this read: if no other live provider is known
+        # to hold it, whoever got those chunks skipped the version or moved on; ask without the window
+        for digest, at in list(self.empty_picks.items()):
+            if at <= started:
+                del self.empty_picks[digest]
+                if not any(s.lists(digest) for s in self._alive() if not s.publisher):
+                    self.no_window.add(digest)
         self.wake.set()
 
     def _poll_haves(self, now: float) -> None:
@@ -244,7 +297,7 @@ class _FetchSession:
                 response = await self.f.endpoint.have(s.peer_id, digest, self.cfg.request_timeout)
                 n = self.entries[digest].manifest.num_chunks
                 if not response.held:
-                    s.partial.discard(digest)
+                    s.forget(digest)
                 elif response.complete and response.num_chunks == n:
                     s.complete.add(digest)
                 else:
@@ -279,7 +332,7 @@ class _FetchSession:
 
     def _pick_work(
         self, s: _Source, alive: list[_Source], stalled: bool
-    ) -> tuple[str, list[int], int] | None:
+    ) -> tuple[str, list[int], int, float] | None:
         limit = self.f.endpoint.limits.max_chunks_per_request
         for digest in self.order:
             if digest not in s.complete and digest not in s.partial:
@@ -289,11 +342,7 @@ class _FetchSession:
                 avail &= s.have.get(digest, set())
             if s.publisher and self.cfg.spare_publisher and not stalled:
                 others = [o for o in alive if o is not s]
-                avail = {
-                    i
-                    for i in avail
-                    if not any(o.holds(digest, i) or i in o.fetching.get(digest, ()) for o in others)
-                }
+                avail = {i for i in avail if not any(o.will_hold(digest, i) for o in others)}
             if not avail:
                 continue
             if s.publisher and self.cfg.publisher_pick:
@@ -306,8 +355,14 @@ class _FetchSession:
                 pick = min(pick, len(avail) - self.picks[digest])
                 if pick <= 0:  # the picks in flight already cover every candidate
                     continue
-                # the freshness window makes receivers wait for each other: only among peers that serve
-                window = self.cfg.spare_publisher and self.cfg.serve and not stalled
+                # the freshness window makes receivers wait for each other: only among peers that serve,
+                # and not once a provider read found nobody else holding what the publisher handed out
+                window = (
+                    self.cfg.spare_publisher
+                    and self.cfg.serve
+                    and not stalled
+                    and digest not in self.no_window
+                )
                 return digest, sorted(avail)[:limit], pick, self.cfg.publisher_fresh_window if window else 0.0
             chosen = random.sample(sorted(avail), min(len(avail), self.cfg.chunks_per_request, limit))
             return digest, chosen, 0, 0.0
@@ -347,6 +402,9 @@ class _FetchSession:
                     raise result
             if pick and not state.done:  # the publisher handed all of them out just now: ask who got them
                 s.busy_until = time.monotonic() + self.cfg.have_period
+                if fresh_for and digest not in self.empty_picks:
+                    self.empty_picks[digest] = time.monotonic()
+                    self.refresh_now = True  # learn now who else holds them (else: no window for it)
             received = sum(manifest.chunks[i].size for i in state.done if i in state.mine or pick)
             if received:  # bytes/s of this stream, smoothed
                 rate = received / max(time.monotonic() - started, 1e-3)
@@ -358,8 +416,9 @@ class _FetchSession:
         except RemoteError as exc:
             reason = str(exc)
             if reason == "not_held":
-                s.complete.discard(digest)
-                s.partial.discard(digest)
+                s.forget(digest)
+                if s.publisher:  # dropped from the publisher's chain: that version is gone for good
+                    self.unserved.add(digest)
             elif reason == "busy":
                 s.busy_until = time.monotonic() + 0.5
             else:

@@ -55,6 +55,10 @@ from echo_p2p.weights import (
 
 logger = logging.getLogger(__name__)
 
+#: Failures that mean the record read was already stale (its version left the publisher's chain): the newest
+#: record is read and fetched at once instead of after ``poll_period``.
+_STALE_REASONS = frozenset({"version_dropped", "manifest_unavailable"})
+
 
 class FetcherConfig(BaseModel):
     """How an inference peer fetches policy versions and helps distribute them."""
@@ -95,7 +99,8 @@ class FetcherConfig(BaseModel):
     publisher_fresh_window: float = Field(
         default=30.0,
         ge=0,
-        description="Ask the publisher to skip chunks it handed out this recently (others got them: ask them)",
+        description="Ask the publisher to skip chunks it handed out this recently (others got them: ask them); "
+        "dropped for a manifest once the publisher has nothing fresh left and no other provider lists it",
     )
     stall_timeout: float = Field(
         default=3.0, gt=0, description="No chunk for this long: ask the publisher for anything still missing"
@@ -107,7 +112,10 @@ class FetcherConfig(BaseModel):
     )
     fetch_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of one whole fetch")
     no_provider_timeout: float = Field(
-        default=10.0, gt=0, description="Give up a fetch after this long with nobody left to ask"
+        default=10.0,
+        gt=0,
+        description="Give up a fetch after this long with nobody left to ask for a manifest of it (a version "
+        "the publisher dropped from its chain fails at once: version_dropped)",
     )
     no_progress_timeout: float = Field(
         default=60.0,
@@ -277,24 +285,36 @@ class WeightFetcher:
         """Fetch and apply the newest trusted version if it is newer than the one held.
 
         Returns the new weights, or None when nothing newer was found or the fetch failed (counted in
-        ``stats``; the held version is untouched). Blocks at most ``fetch_timeout`` plus DHT deadlines.
+        ``stats``; the held version is untouched). A fetch whose version left the publisher's chain while it
+        ran fails at once (``version_dropped``) and the newest record is then fetched right away (from its
+        keyframe when the deltas from the held version are gone). Blocks at most ``fetch_timeout`` (twice,
+        in that case) plus DHT deadlines.
         """
         with self._update_lock:
-            t_start = time.monotonic()
-            record = None
-            try:
-                record = self._choose_record()
-                if record is None:
+            stale_version: int | None = None
+            for _ in range(2):
+                t_start = time.monotonic()
+                record = None
+                try:
+                    record = self._choose_record()
+                    if record is None or (stale_version is not None and record.version <= stale_version):
+                        return None
+                    return self._fetch(record, t_start)
+                except FetchError as exc:
+                    self.stats.fetches_failed[exc.reason] += 1
+                    if exc.reason == "stopped":
+                        logger.info("fetch of version %d stopped: shutting down", record.version)
+                        return None
+                    logger.warning(
+                        "fetching version %d from %s failed: %s", record.version, record.peer_id[-8:], exc
+                    )
+                    if exc.reason not in _STALE_REASONS or self._stop.is_set():
+                        return None
+                    stale_version = record.version  # a newer record is out: fetch it now
+                except Exception:  # a bug must not take the peer down: count it, keep the held version
+                    self.stats.fetches_failed["internal_error"] += 1
+                    logger.exception("policy update failed (version %s)", record.version if record else "?")
                     return None
-                return self._fetch(record, t_start)
-            except FetchError as exc:
-                self.stats.fetches_failed[exc.reason] += 1
-                logger.warning(
-                    "fetching version %d from %s failed: %s", record.version, record.peer_id[-8:], exc
-                )
-            except Exception:  # a bug must not take the peer down: count it, keep the held version
-                self.stats.fetches_failed["internal_error"] += 1
-                logger.exception("policy update failed (version %s)", record.version if record else "?")
             return None
 
     def ensure_version(self, min_version: int, timeout: float) -> PolicyWeights:
@@ -427,6 +447,8 @@ class WeightFetcher:
             )
         except TimeoutError:
             raise FetchError("timeout", "manifests not received in time") from None
+        except concurrent.futures.CancelledError:  # the endpoint's loop was shut down under the call
+            raise FetchError("stopped", "the weights endpoint shut down") from None
         phases["manifests"] = time.monotonic() - t_start - sum(phases.values())
         assemblers = []
         for ref, manifest in zip(refs, manifests, strict=True):
@@ -455,6 +477,8 @@ class WeightFetcher:
             self.stats.last_transfer_seconds = phases["transfer"]
         except TimeoutError:
             raise FetchError("timeout", f"not complete within {self.config.fetch_timeout:.0f} s") from None
+        except concurrent.futures.CancelledError:  # the endpoint's loop was shut down under the call
+            raise FetchError("stopped", "the weights endpoint shut down") from None
         finally:
             self._session = None
             self.stats.duplicate_bytes += session.duplicate_bytes

@@ -329,5 +329,39 @@ def test_receivers_fetching_at_the_same_time_share_chunks_and_spare_the_trainer(
             assert_same(r.weights.tensors, receivers[0].weights.tensors)
 
 
+def test_a_version_dropped_from_the_chain_mid_fetch_fails_fast_and_the_newest_keyframe_is_fetched():
+    """The follower has the manifests of delta 1 when keyframe 3 replaces the publisher's chain: the fetch
+    must fail at once (not hang until no_progress_timeout) and the same update fetch keyframe 3."""
+    with swarm("nw-dropped", keyframe_interval=3) as s:
+        tensors = make_tensors()
+        s.publisher.publish(tensors.items(), 0)
+        follower, other = s.receiver(), s.receiver()
+        fetch(follower, 0)
+        step(tensors, 1)
+        s.publisher.publish(tensors.items(), 1)
+        announce_soon = follower._announce_soon
+
+        def publish_keyframe_once() -> None:  # _fetch calls it between the manifests and the first chunk
+            follower._announce_soon = announce_soon
+            for version in (2, 3):  # keyframe 3: versions 1 and 2 are no longer served
+                step(tensors, version)
+                s.publisher.publish(tensors.items(), version)
+            announce_soon()
+
+        follower._announce_soon = publish_keyframe_once
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(w=follower.update()), daemon=True)
+        t0 = time.monotonic()
+        thread.start()
+        thread.join(timeout=20)
+        assert not thread.is_alive(), follower.fetch_state()
+        assert time.monotonic() - t0 < 10, follower.stats_dict()
+        assert result["w"] is not None and result["w"].version == 3, follower.stats_dict()
+        assert dict(follower.stats.fetches_failed) == {"version_dropped": 1}
+        keyframe = next(m for m in s.publisher.record.manifests if m.version == 3 and m.base_version is None)
+        assert follower.stats.last_fetch_bytes == keyframe.total_bytes  # straight to the newest keyframe
+        assert_same(follower.weights.tensors, fetch(other, 3).tensors)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
