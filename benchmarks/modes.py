@@ -43,6 +43,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ARMS = ("colocated", "sync", "async")
+ARMS = ("colocated", "colocated-2t", "sync", "async")
 WINDOW = 10  # steps in a reward mean
 TRAINERS = 1
 INFERENCE_PEERS = 2
@@ -69,16 +70,20 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_arm(arm: str, budget: float, workdir: Path, extra_wait: float) -> tuple[float, float, int, Path]:
+def run_arm(
+    arm: str, budget: float, workdir: Path, extra_wait: float, setup: dict[str, Any]
+) -> tuple[float, float, int, Path]:
     """Run one arm's command; returns (launch time, seconds it ran, exit code, metrics dir)."""
     metrics_dir = workdir / "metrics"
-    if arm == "colocated":
+    options = [arg for option in setup["task_options"] for arg in ("--task-option", option)]
+    if arm.startswith("colocated"):
+        threads = "2" if arm == "colocated-2t" else "1"
         cmd = [
             sys.executable,
             "-m",
             "echo_p2p.colocated",
-            *("--task", "count", "--duration", str(budget), "--metrics-dir", str(metrics_dir)),
-            *("--threads", "1", "--steps", "100000"),
+            *("--task", setup["task"], "--duration", str(budget), "--metrics-dir", str(metrics_dir)),
+            *("--threads", threads, "--steps", "100000", *options),
         ]
     else:
         cmd = [
@@ -86,8 +91,11 @@ def run_arm(arm: str, budget: float, workdir: Path, extra_wait: float) -> tuple[
             "-m",
             "echo_p2p.local",
             *("--mode", arm, "--duration", str(budget), "--workdir", str(workdir)),
-            *("--status-period", "10"),
+            *("--status-period", "10", "--task", setup["task"], *options),
+            *("--inference", str(setup["inference_peers"])),
         ]
+        if setup.get("peer_args"):
+            cmd.append(f"--peer-args={setup['peer_args']}")
     log = workdir / f"{arm}.log"
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[{arm}] {' '.join(cmd[1:])}", flush=True)
@@ -124,7 +132,7 @@ def mean(xs: list[float]) -> float | None:
 
 def steps_of(arm: str, metrics_dir: Path) -> list[dict[str, Any]]:
     """Per-step lines, oldest first, normalised to time/step/version/reward/rollouts_consumed."""
-    pattern = "colocated-*.jsonl" if arm == "colocated" else "trainer-*.jsonl"
+    pattern = "colocated-*.jsonl" if arm.startswith("colocated") else "trainer-*.jsonl"
     lines: list[dict[str, Any]] = []
     for path in sorted(metrics_dir.glob(pattern)) if metrics_dir.exists() else []:
         lines += [x for x in read_jsonl(path) if "step" in x and "reward_mean" in x]
@@ -166,7 +174,7 @@ def inference_figures(metrics_dir: Path) -> dict[str, Any]:
 def summarize(arm: str, launched: float, seconds: float, code: int, metrics_dir: Path) -> dict[str, Any]:
     steps = steps_of(arm, metrics_dir)
     out: dict[str, Any] = {"arm": arm, "exit_code": code, "seconds": round(seconds, 2), "steps": len(steps)}
-    if arm == "colocated":
+    if arm.startswith("colocated"):
         for x in steps:
             x["version"] = x["step"] + 1  # one version per step
     curve = [[round(x["time"] - launched, 3), x["step"], x["version"], x["reward_mean"]] for x in steps]
@@ -184,15 +192,26 @@ def summarize(arm: str, launched: float, seconds: float, code: int, metrics_dir:
     )
     out["versions_per_min"] = 60 * (last["version"] - first["version"]) / span if span > 0 else None
     out["reward_end"] = mean([x["reward_mean"] for x in steps[-WINDOW:]])
-    if arm == "colocated":
+    if arm.startswith("colocated"):
         sampling = sum(x["sampling_s"] + x["scoring_s"] for x in steps)
         training = sum(x["training_s"] for x in steps)
         busy = sampling + training
         out["trainer_idle_fraction"] = sampling / busy if busy else None
         out["inference_idle_fraction"] = training / busy if busy else None
         out["inference_not_sampling_fraction"] = out["inference_idle_fraction"]
+        # Amdahl: a decoupled trainer that never waits and trains as fast as this process does consumes
+        # (sampling + training) / training times the rollouts per second
+        out["decoupling_ceiling"] = busy / training if training else None
+        out["median_sampling_s"] = statistics.median(x["sampling_s"] + x["scoring_s"] for x in steps)
+        out["median_training_s"] = statistics.median(x["training_s"] for x in steps)
     else:
-        out["trainer_idle_fraction"] = last.get("idle_fraction")
+        out["trainer_idle_fraction_since_start"] = last.get("idle_fraction")
+        # steady state: idle seconds between the first and the last step over that span
+        if span > 0 and "idle_s_total" in last:
+            out["trainer_idle_fraction"] = (last["idle_s_total"] - first["idle_s_total"]) / span
+        else:
+            out["trainer_idle_fraction"] = last.get("idle_fraction")
+        out["median_update_s"] = statistics.median(x["step_update_s"] for x in steps if "step_update_s" in x)
         out["dropped_stale"] = last.get("dropped_stale", 0)
         out.update(inference_figures(metrics_dir))
     return out
@@ -204,31 +223,44 @@ def fmt(value: Any, spec: str) -> str:
 
 def print_table(results: dict[str, Any]) -> None:
     cfg = results["config"]
+    options = " ".join(cfg["task_options"]) or "defaults"
     print(
-        f"\nconfiguration: {cfg['cores']} cores, budget {cfg['budget_s']:.0f} s per arm, task {cfg['task']}, "
-        f"model {cfg['model']}, G={cfg['group_size']} x {cfg['prompts_per_step']} prompts per step; "
-        f"decoupled: {cfg['trainers']} trainer + {cfg['inference_peers']} inference peers, 1 torch thread each; "
-        f"co-located: 1 process, 1 thread"
+        f"\nconfiguration: {cfg['cores']} cores, budget {cfg['budget_s']:.0f} s per arm, task {cfg['task']} "
+        f"({options}), model {cfg['model']}, G={cfg['group_size']} x {cfg['prompts_per_step']} prompts per step; "
+        f"decoupled: {cfg['trainers']} trainer + {cfg['inference_peers']} inference peers, 1 torch thread each"
+        f"{' (' + cfg['peer_args'] + ')' if cfg['peer_args'] else ''}; co-located: 1 process, 1 or 2 threads (-2t)"
     )
     n = results["equal_updates"]
     head = (
-        f"{'arm':<10} {'steps':>5} {'1st step':>8} {'rollouts/s':>10} {'trainer idle':>12} {'inf. idle':>9} "
-        f"{'inf. not sampling':>17} {'versions/min':>12} {'reward@end':>10} {f'reward@{n} upd':>13}"
+        f"{'arm':<13} {'steps':>5} {'1st step':>8} {'rollouts/s':>10} {'vs co-loc.':>10} {'trainer idle':>12} "
+        f"{'inf. idle':>9} {'inf. not sampling':>17} {'versions/min':>12} {'reward@end':>10} "
+        f"{f'reward@{n} upd':>13}"
     )
     print(head)
     print("-" * len(head))
     for r in results["arms"]:
         print(
-            f"{r['arm']:<10} {r['steps']:>5} {fmt(r.get('first_step_s'), '7.1f') + 's':>8} "
-            f"{fmt(r.get('rollouts_per_s'), '.2f'):>10} {fmt(r.get('trainer_idle_fraction'), '.1%'):>12} "
+            f"{r['arm']:<13} {r['steps']:>5} {fmt(r.get('first_step_s'), '7.1f') + 's':>8} "
+            f"{fmt(r.get('rollouts_per_s'), '.2f'):>10} {fmt(r.get('rollouts_vs_colocated'), '.2f') + 'x':>10} "
+            f"{fmt(r.get('trainer_idle_fraction'), '.1%'):>12} "
             f"{fmt(r.get('inference_idle_fraction'), '.1%'):>9} "
             f"{fmt(r.get('inference_not_sampling_fraction'), '.1%'):>17} "
             f"{fmt(r.get('versions_per_min'), '.1f'):>12} {fmt(r.get('reward_end'), '.3f'):>10} "
             f"{fmt(r.get('reward_equal_updates'), '.3f'):>13}"
         )
+    for r in results["arms"]:
+        if r.get("decoupling_ceiling"):
+            print(
+                f"\n{r['arm']}: median step = {r['median_sampling_s']:.3f} s sampling+scoring + "
+                f"{r['median_training_s']:.3f} s training; a decoupled trainer that never waits can consume at most "
+                f"{r['decoupling_ceiling']:.2f}x its rollouts/s (Amdahl: (sampling + training) / training)"
+            )
+        if r.get("median_update_s"):
+            print(f"{r['arm']}: median trainer update {r['median_update_s']:.3f} s")
     print(
         "\nrollouts/s and versions/min: between the first and the last step. trainer idle: co-located = "
-        "sampling+scoring share of step time; decoupled = the trainer's idle_fraction (waiting for rollouts).\n"
+        "sampling+scoring share of step time; decoupled = seconds the trainer waited for rollouts between its first "
+        "and last step over that span.\n"
         "inf. idle: co-located = training share; decoupled = share of each inference peer's work time spent "
         "waiting for weights or for buffer room (mean over peers; in sync mode this misses the wait for "
         "sample requests).\ninf. not sampling: 1 - sampling seconds / work seconds (includes that wait). "
@@ -265,7 +297,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budget", type=float, default=60.0, help="wall-clock seconds per arm (default 60)")
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of colocated,sync,async")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--task", default="count", help="task of every arm (default count)")
+    p.add_argument(
+        "--task-option", action="append", default=[], metavar="KEY=VALUE", help="task option of every arm"
+    )
+    p.add_argument(
+        "--inference", type=int, default=INFERENCE_PEERS, help="inference peers of the decoupled arms"
+    )
+    p.add_argument("--peer-args", default="", help="more flags for the decoupled arms' peers")
     p.add_argument("--out", default=str(HERE / "results" / "modes.json"), help="JSON results file")
     p.add_argument(
         "--workdir", default=None, help="keep logs and metrics here (default: a temp dir, removed)"
@@ -293,19 +333,23 @@ def main(argv: list[str] | None = None) -> None:
             "python": platform.python_version(),
             "budget_s": args.budget,
             "arms": arms,
-            "task": "count",
+            "task": args.task,
+            "task_options": args.task_option,
+            "peer_args": args.peer_args,
             "model": "tiny",
             "group_size": RunSettings.model_fields["group_size"].default,
             "prompts_per_step": TrainerSection.model_fields["prompts_per_step"].default,
             "trainers": TRAINERS,
-            "inference_peers": INFERENCE_PEERS,
-            "colocated_threads": 1,
+            "inference_peers": args.inference,
+            "colocated_threads": {"colocated": 1, "colocated-2t": 2},
         },
         "arms": [],
     }
     try:
         for arm in arms:
-            launched, seconds, code, metrics_dir = run_arm(arm, args.budget, base / arm, args.extra_wait)
+            launched, seconds, code, metrics_dir = run_arm(
+                arm, args.budget, base / arm, args.extra_wait, results["config"]
+            )
             summary = summarize(arm, launched, seconds, code, metrics_dir)
             results["arms"].append(summary)
             print(
@@ -321,6 +365,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in results["arms"]:
         rewards = [c[3] for c in r.get("curve", [])]
         r["reward_equal_updates"] = mean(rewards[max(0, n - WINDOW) : n]) if n else None
+    reference = next((r for r in results["arms"] if r["arm"] == "colocated"), None)
+    if reference and reference.get("rollouts_per_s"):
+        for r in results["arms"]:
+            if r.get("rollouts_per_s") is not None:
+                r["rollouts_vs_colocated"] = r["rollouts_per_s"] / reference["rollouts_per_s"]
     results["elapsed_s"] = round(time.perf_counter() - started, 1)
     print_table(results)
     print(f"\ntotal {results['elapsed_s']:.0f} s")

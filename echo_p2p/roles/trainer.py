@@ -125,10 +125,14 @@ class TrainerPeer(BasePeer):
             ),
         )
         if self.config.mode == "async":
+            from echo_p2p.transport.rollout_config import PusherConfig
             from echo_p2p.transport.rollout_push import RolloutIngestServicer
 
             capacity = section.buffer_capacity or recommended_capacity(
-                section.prompts_per_step, section.max_staleness, num_inference_peers=8, groups_per_push=8
+                section.prompts_per_step,
+                section.max_staleness,
+                num_inference_peers=8,
+                groups_per_push=PusherConfig().batch_groups,
             )
             self.buffer = ReplayBuffer(capacity, section.max_staleness, order=section.buffer_order)
             self.ingest = RolloutIngestServicer(
@@ -336,6 +340,8 @@ class TrainerPeer(BasePeer):
             "steps": self.steps,
             "rollouts_consumed": self.rollouts_consumed,
             "idle_fraction": round(self.idle_seconds / elapsed, 4),
+            "idle_s_total": round(self.idle_seconds, 3),
+            "publish_s_total": round(self.publish_seconds, 3),
             "update_s_total": round(self.update_seconds, 3),
             "publisher": self.is_publisher,
         }

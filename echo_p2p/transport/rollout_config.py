@@ -51,7 +51,9 @@ class PusherConfig(BaseModel):
     outbox_groups: int = Field(
         default=64, ge=1, description="Most unacknowledged groups held; submit blocks above"
     )
-    batch_groups: int = Field(default=8, ge=1, description="Most groups per push")
+    batch_groups: int = Field(
+        default=32, ge=1, description="Most groups per push (fewer round trips: the ack waits for validation)"
+    )
     push_timeout: float = Field(default=15.0, gt=0, description="Deadline (s) of one push, ack included")
     retry_cooldown: float = Field(default=10.0, ge=0, description="Seconds a failed trainer is not pushed to")
     refresh_period: float = Field(
