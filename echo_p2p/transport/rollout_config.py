@@ -55,7 +55,12 @@ class PusherConfig(BaseModel):
         default=32, ge=1, description="Most groups per push (fewer round trips: the ack waits for validation)"
     )
     push_timeout: float = Field(default=15.0, gt=0, description="Deadline (s) of one push, ack included")
-    retry_cooldown: float = Field(default=10.0, ge=0, description="Seconds a failed trainer is not pushed to")
+    retry_cooldown: float = Field(
+        default=10.0, ge=0, description="Most seconds a failing trainer is not pushed to (the back-off's cap)"
+    )
+    first_retry: float = Field(
+        default=0.5, ge=0, description="Seconds a trainer is not pushed to after one failed push (doubles)"
+    )
     refresh_period: float = Field(
         default=2.0, gt=0, description="Seconds between two reads of the trainer list"
     )

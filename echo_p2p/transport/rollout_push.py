@@ -249,6 +249,7 @@ class _Trainer:
     room: int
     stamp: float  # wall-clock time the room figure is from
     bad_until: float = 0.0  # monotonic
+    failures: int = 0  # failed pushes in a row (the back-off grows with them)
 
 
 class RolloutPusher:
@@ -404,7 +405,8 @@ class RolloutPusher:
             requeue = self._settle(trainer, batch, ack)
         except Exception as exc:
             self.counters["failed_pushes"] += 1
-            trainer.bad_until = time.monotonic() + self.config.retry_cooldown
+            trainer.failures += 1
+            trainer.bad_until = time.monotonic() + self.backoff(trainer.failures)
             self.loop.forget(trainer.peer_id)
             logger.info(
                 "push of %d groups to %s failed (%s); resending elsewhere", len(batch), trainer.peer_id, exc
@@ -427,8 +429,15 @@ class RolloutPusher:
 
         return await stub.rpc_push_rollouts(messages())
 
+    def backoff(self, failures: int) -> float:
+        """Seconds a trainer is not pushed to after ``failures`` failed pushes in a row: ``first_retry``
+        doubling up to ``retry_cooldown`` (one lost push must not idle the only trainer of a run for long)."""
+        cfg = self.config
+        return min(cfg.retry_cooldown, cfg.first_retry * 2 ** max(0, failures - 1))
+
     def _settle(self, trainer: _Trainer, batch: list[_Item], ack: rollouts_pb2.PushAck) -> list[_Item]:
         """Count the verdicts of a push; returns the groups to send again."""
+        trainer.failures = 0
         if ack.free_room >= 0:
             trainer.room, trainer.stamp = int(ack.free_room), time.time()
         requeue = []

@@ -163,7 +163,7 @@ def test_push_that_is_never_acked_is_resent_to_another_trainer_and_acked_there(n
     t1.announce(keys, "trainer", accepts_rollouts=True, free_buffer_room=40)  # most room: chosen first
     t2.announce(keys, "trainer", accepts_rollouts=True, free_buffer_room=10)
 
-    pusher = pusher_for(i1, keys, retry_cooldown=60)
+    pusher = pusher_for(i1, keys, retry_cooldown=60, first_retry=60)
     groups = [honest_group(p) for p in (3, 7)]
     assert pusher.submit(groups, timeout=5) == 2
     try:
