@@ -72,7 +72,7 @@ class LocalSwarm:
         log.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(
             [sys.executable, *args],
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            preexec_fn=(lambda: lower_priority(nice)) if nice else None,
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -192,6 +192,21 @@ class LocalSwarm:
                 child.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def lower_priority(nice: int) -> None:
+    """Run in a child after ``setsid``: lower its CPU priority by ``nice``.
+
+    With autogroup scheduling (Linux's default on desktops and many servers) each session is scheduled as
+    one group and a process's own nice value only ranks it inside its session, so a child in a new session
+    is niced through ``/proc/self/autogroup`` as well.
+    """
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroup (or not Linux): the process nice value above is what counts
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

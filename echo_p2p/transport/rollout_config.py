@@ -58,6 +58,9 @@ class PusherConfig(BaseModel):
     retry_cooldown: float = Field(
         default=10.0, ge=0, description="Most seconds a failing trainer is not pushed to (the back-off's cap)"
     )
+    full_recheck: float = Field(
+        default=0.2, gt=0, description="Seconds before a trainer that answered buffer_full is probed again"
+    )
     first_retry: float = Field(
         default=0.5, ge=0, description="Seconds a trainer is not pushed to after one failed push (doubles)"
     )

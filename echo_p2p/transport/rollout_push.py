@@ -250,6 +250,7 @@ class _Trainer:
     stamp: float  # wall-clock time the room figure is from
     bad_until: float = 0.0  # monotonic
     failures: int = 0  # failed pushes in a row (the back-off grows with them)
+    recheck_at: float = float("inf")  # monotonic: when a trainer that said "full" is probed again
 
 
 class RolloutPusher:
@@ -454,6 +455,9 @@ class RolloutPusher:
             elif verdict.reason == Reason.BUFFER_FULL.value:  # kept until some trainer has room, however long
                 requeue.append(item)
                 trainer.room, trainer.stamp = 0, time.time()
+                # a trainer drains its buffer in well under its heartbeat: probe it again soon with one
+                # group (its ack carries the real room) instead of waiting for its next announcement
+                trainer.recheck_at = time.monotonic() + self.config.full_recheck
             elif _is_retryable(verdict.reason) and item.refusals + 1 < self.config.max_attempts:
                 item.refusals += 1
                 requeue.append(item)
@@ -477,8 +481,11 @@ class RolloutPusher:
             self._refresh()
         now = time.monotonic()
         usable = [t for t in self._trainers.values() if t.bad_until <= now and t.room > 0]
-        if not usable:
-            return None
+        if not usable:  # nobody announced room: probe a trainer that said "full" a while ago
+            usable = [t for t in self._trainers.values() if t.bad_until <= now and t.recheck_at <= now]
+            for t in usable:
+                t.recheck_at = now + self.config.full_recheck
+            return random.choice(usable) if usable else None
         best = max(t.room for t in usable)
         return random.choice([t for t in usable if t.room == best])
 

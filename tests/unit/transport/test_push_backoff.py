@@ -17,3 +17,34 @@ def test_an_ack_resets_the_failure_count():
     trainer = _Trainer("QmTrainer", [], room=10, stamp=0.0, failures=4)
     assert pusher._settle(trainer, [], rollouts_pb2.PushAck(free_room=7)) == []
     assert trainer.failures == 0 and trainer.room == 7
+
+
+def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(monkeypatch):
+    from echo_p2p.rollout import Completion, RolloutGroup
+    from echo_p2p.transport.rollout_push import Reason, Status, _Item
+
+    pusher = RolloutPusher(loop=None, directory=None, config=PusherConfig(full_recheck=0.2))
+    trainer = _Trainer("QmTrainer", [], room=5, stamp=0.0)
+    pusher._trainers = {trainer.peer_id: trainer}
+    pusher._refreshed_at = float("inf")  # no directory read in this test
+    group = RolloutGroup(
+        task="count",
+        prompt_id=1,
+        prompt_token_ids=[1, 2],
+        completions=[Completion(token_ids=[3], logprobs=[-0.1], claimed_reward=1.0, finished=True)] * 2,
+        policy_version=0,
+        sampler_peer_id="QmSampler",
+        sampled_at=0.0,
+    )
+    item = _Item(group, b"")
+    full = rollouts_pb2.GroupAck(
+        rollout_id=group.rollout_id, status=Status.REJECTED, reason=Reason.BUFFER_FULL.value
+    )
+    now = [1000.0]
+    monkeypatch.setattr("echo_p2p.transport.rollout_push.time.monotonic", lambda: now[0])
+    assert pusher._settle(trainer, [item], rollouts_pb2.PushAck(acks=[full], free_room=0)) == [item]
+    assert trainer.room == 0
+    assert pusher._choose() is None  # just said full
+    now[0] += 0.25
+    assert pusher._choose() is trainer  # probed again after full_recheck, well before a 2 s heartbeat
+    assert pusher._choose() is None  # one probe per full_recheck
