@@ -230,6 +230,13 @@ class TrainerSection(StrictModel):
     )
     checkpoint_dir: str | None = Field(default=None, description="Write checkpoints here (None: none)")
     checkpoint_every: int = Field(default=10, ge=1, description="Versions between two checkpoints")
+    publish_interval: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="Async: fewest seconds between two published versions (0: every version); the versions "
+        "in between are not published, so inference peers fetch less often and staleness counts more versions",
+    )
     resume: bool = Field(default=False, description="Continue from the newest checkpoint in checkpoint_dir")
     sync_timeout: float = Field(default=60.0, gt=0, description="Sync: deadline (s) to collect one batch")
     threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")

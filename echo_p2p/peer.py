@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-steps", type=int, default=None, help="stop after this many training steps")
     tr.add_argument("--lr", type=float, default=None, help="learning rate of the trainers' AdamW")
     tr.add_argument(
+        "--publish-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="async: fewest seconds between two published versions (default 0: every version)",
+    )
+    tr.add_argument(
         "--max-staleness",
         type=int,
         default=None,
@@ -113,6 +120,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.max_steps": args.max_steps,
         "trainer.collab.lr": args.lr,
         "trainer.max_staleness": args.max_staleness,
+        "trainer.publish_interval": args.publish_interval,
         "run.task_options": dict(args.task_option) if args.task_option else None,
         **network_flags(args),
     }

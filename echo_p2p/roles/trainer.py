@@ -44,6 +44,7 @@ class TrainerPeer(BasePeer):
         self._work_started = time.monotonic()
         self._published_version: int | None = None
         self._publishing = None  # the background publish in flight (async mode), a Future
+        self._published_at = -float("inf")  # monotonic time of the last publish
         self._stepper = None
         self.optimizer = None
         self.publisher = None
@@ -294,6 +295,8 @@ class TrainerPeer(BasePeer):
         if self.config.mode == "sync":
             self.publisher.publish(named_tensors(self.model), version)
         else:
+            if t0 - self._published_at < self.section.publish_interval:
+                return
             if self._publishing is not None:
                 if not self._publishing.done():
                     return
@@ -301,6 +304,7 @@ class TrainerPeer(BasePeer):
             self._publishing = self.publisher.publish_in_background(named_tensors(self.model), version)
         self.publish_seconds += time.monotonic() - t0
         self._published_version = version
+        self._published_at = t0
 
     def _publish_done(self) -> None:
         future, self._publishing = self._publishing, None

@@ -1,0 +1,91 @@
+"""When the trainer publishes: every version by default, in the background in async mode, at most one
+publish in flight, and no more often than ``publish_interval`` when set."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import torch
+
+from echo_p2p.config import TrainerSection
+from echo_p2p.roles.trainer import TrainerPeer
+
+
+class FakePublisher:
+    def __init__(self):
+        self.published: list[int] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def publish(self, tensors, version):
+        self.published.append(version)
+
+    def publish_in_background(self, tensors, version):
+        list(tensors)
+        return self.pool.submit(lambda: (self.release.wait(10), self.published.append(version)))
+
+
+def trainer(mode: str, **section) -> TrainerPeer:
+    peer = TrainerPeer.__new__(TrainerPeer)
+    peer.config = type("C", (), {"mode": mode})()
+    peer.section = TrainerSection(**section)
+    peer.is_publisher = True
+    peer.publisher = FakePublisher()
+    peer.model = torch.nn.Linear(2, 2)
+    peer.publish_seconds = 0.0
+    peer._published_version = None
+    peer._publishing = None
+    peer._published_at = -float("inf")
+    peer.policy_version = 0
+    return peer
+
+
+def drain(peer):
+    if peer._publishing is not None:
+        peer._publishing.result(timeout=10)
+
+
+def test_sync_publishes_every_version_in_line():
+    peer = trainer("sync")
+    for v in range(3):
+        peer.policy_version = v
+        peer._maybe_publish()
+    assert peer.publisher.published == [0, 1, 2]
+
+
+def test_async_publishes_in_the_background_one_at_a_time_newest_next():
+    peer = trainer("async")
+    peer.publisher.release.clear()  # the first publish hangs until released
+    peer._maybe_publish()
+    for v in (1, 2, 3):  # versions made while it is in flight are not queued
+        peer.policy_version = v
+        peer._maybe_publish()
+    peer.publisher.release.set()
+    drain(peer)
+    peer._maybe_publish()  # the idle loop or the next step sends the newest
+    drain(peer)
+    assert peer.publisher.published == [0, 3]
+
+
+def test_publish_interval_spaces_publishes(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("echo_p2p.roles.trainer.time.monotonic", lambda: now[0])
+    peer = trainer("async", publish_interval=1.0)
+    for step in range(10):  # ten versions in 0.9 s: one publish
+        peer.policy_version = step
+        peer._maybe_publish()
+        drain(peer)
+        now[0] += 0.1
+    now[0] += 0.2
+    peer._maybe_publish()
+    drain(peer)
+    assert peer.publisher.published == [0, 9]
+
+
+def test_a_standby_trainer_publishes_nothing():
+    peer = trainer("async")
+    peer.is_publisher = False
+    peer._maybe_publish()
+    assert peer.publisher.published == []
