@@ -1,36 +1,37 @@
-"""Benchmark of the three training modes at the same wall-clock budget: co-located, decoupled sync, async.
+"""Benchmark of the training modes at the same wall-clock budget: co-located, decoupled sync, async.
 
 Each arm runs the real entry point as a subprocess, one arm after another, for ``--budget`` seconds:
 
-* ``colocated``: ``python -m echo_p2p.colocated --task count --duration S --threads 1`` (sampling and
-  training take turns in one process; per-step JSONL ``colocated-*.jsonl``);
-* ``sync`` / ``async``: ``python -m echo_p2p.local --mode sync|async --duration S`` (a bootstrap, 1 trainer,
-  2 inference peers on 127.0.0.1, one torch thread each; trainer metrics ``trainer-*.jsonl`` per step,
-  inference metrics ``inference-*.jsonl`` every ~10 s).
+* ``colocated`` / ``colocated-2t``: ``python -m echo_p2p.colocated --duration S --threads 1|2`` (sampling and
+  training take turns in one process; per-step JSONL ``colocated-*.jsonl``); 1 thread is one process per
+  core like each decoupled peer, 2 threads is the whole machine;
+* ``sync`` / ``async``: ``python -m echo_p2p.local --mode sync|async --duration S --inference N`` (a
+  bootstrap, 1 trainer, N inference peers on 127.0.0.1, one torch thread each, inference peers niced;
+  trainer metrics ``trainer-*.jsonl`` per step, inference metrics ``inference-*.jsonl`` every ~10 s).
 
-Reported per arm:
+Every arm gets the same task (``--task``, ``--task-option``), model (tiny), G and prompts per step
+(``--prompts-per-step``, default 16) and GRPO hyper-parameters. Reported per arm:
 
-* rollouts (groups) consumed per second, between the first and the last training step;
-* trainer idle fraction: co-located, the sampling + scoring share of the step time; decoupled, the trainer's
-  own ``idle_fraction`` (time waiting for rollouts) on its last step line;
+* rollouts (groups) consumed per second, between the first and the last training step, and its ratio to
+  ``colocated``;
+* trainer idle fraction: co-located, the sampling + scoring share of the step time; decoupled, the seconds
+  the trainer waited for rollouts between its first and last step, over that span (``idle_s_total``);
 * inference idle fraction: co-located, the training share of the step time; decoupled, the share of each
-  inference peer's work time spent waiting for weights or for room in a trainer's buffer
-  (``seconds_waiting_for_weights + seconds_waiting_for_room``), averaged over peers. In sync mode the peers
-  sample only when the trainer asks, so that share misses the time spent waiting for a request; the
-  ``inf. not sampling`` column (1 - sampling seconds / work seconds, sampling seconds = tokens sampled /
-  tokens per second) counts every second not spent sampling, including that wait. Inference metrics are
-  written every ~10 s, so the last few seconds of a run are missing from them;
-* versions per minute (policy versions between the first and the last step line);
-* reward at the end of the budget (mean of the last 10 steps) and at an equal number of updates ``n``, the
-  smallest step count all arms reached (mean over steps [n-10, n)).
+  inference peer's work time spent waiting for weights or for room in a trainer's buffer, averaged over
+  peers. In sync mode the peers sample only when the trainer asks, so that share misses the time spent
+  waiting for a request; the ``inf. not sampling`` column (1 - sampling seconds / work seconds) counts every
+  second not spent sampling, including that wait. Inference metrics are written every ~10 s, so the last
+  few seconds of a run are missing from them;
+* versions per minute, reward at the end of the budget (mean of the last 10 steps) and at an equal number
+  of updates ``n``, the smallest step count all arms reached (mean over steps [n-10, n));
+* for the co-located arms, the Amdahl ceiling of decoupling: (sampling + training) / training, the most a
+  trainer that never waits and trains as fast as the co-located process could consume relative to it.
 
-Times on the reward curve count from the launch of the arm's command, so they include start-up (model load;
-for the decoupled arms the DHT and the peers' start). ``echo_p2p.colocated --duration`` counts from its first
-step, ``echo_p2p.local --duration`` from when the peers were spawned, so the decoupled arms train for less
-of their budget; the ``first step`` column shows how long each arm took to start training.
+Times on the reward curve count from the launch of the arm's command, so they include start-up. The
+``first step`` column shows how long each arm took to start training.
 
-Run: ``python benchmarks/modes.py [--budget 60] [--arms colocated,sync,async] [--out PATH]``
-(about 3.5 min with the defaults). Writes JSON to ``--out`` and, if matplotlib is importable, a
+Run: ``python benchmarks/modes.py [--budget 60] [--arms colocated,colocated-2t,sync,async] [--inference 1]
+[--prompts-per-step 16] [--out PATH]`` (about 4.5 min with the defaults). Writes JSON to ``--out`` and a
 reward-vs-time PNG next to it.
 """
 
@@ -56,7 +57,7 @@ ROOT = HERE.parent
 ARMS = ("colocated", "colocated-2t", "sync", "async")
 WINDOW = 10  # steps in a reward mean
 TRAINERS = 1
-INFERENCE_PEERS = 2
+INFERENCE_PEERS = 1  # on 2 cores: one for the trainer, one for the inference peer
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -84,6 +85,7 @@ def run_arm(
             "echo_p2p.colocated",
             *("--task", setup["task"], "--duration", str(budget), "--metrics-dir", str(metrics_dir)),
             *("--threads", threads, "--steps", "100000", *options),
+            *("--prompts-per-step", str(setup["prompts_per_step"])),
         ]
     else:
         cmd = [
@@ -94,8 +96,8 @@ def run_arm(
             *("--status-period", "10", "--task", setup["task"], *options),
             *("--inference", str(setup["inference_peers"])),
         ]
-        if setup.get("peer_args"):
-            cmd.append(f"--peer-args={setup['peer_args']}")
+        peer_args = f"--prompts-per-step {setup['prompts_per_step']} {setup.get('peer_args') or ''}".strip()
+        cmd.append(f"--peer-args={peer_args}")
     log = workdir / f"{arm}.log"
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[{arm}] {' '.join(cmd[1:])}", flush=True)
@@ -287,7 +289,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.plot([c[0] for c in curve], smooth, label=r["arm"])
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel(f"reward ({WINDOW}-step mean)")
-    ax.set_title(f"count task, {results['config']['budget_s']:.0f} s per arm")
+    cfg = results["config"]
+    ax.set_title(f"{cfg['task']}, {cfg['prompts_per_step']} prompts/step, {cfg['budget_s']:.0f} s per arm")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -306,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
         "--inference", type=int, default=INFERENCE_PEERS, help="inference peers of the decoupled arms"
     )
     p.add_argument("--peer-args", default="", help="more flags for the decoupled arms' peers")
+    p.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=None,
+        help="rollout groups per GRPO step in every arm (default: the trainer's, 16)",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "modes.json"), help="JSON results file")
     p.add_argument(
         "--workdir", default=None, help="keep logs and metrics here (default: a temp dir, removed)"
@@ -338,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
             "peer_args": args.peer_args,
             "model": "tiny",
             "group_size": RunSettings.model_fields["group_size"].default,
-            "prompts_per_step": TrainerSection.model_fields["prompts_per_step"].default,
+            "prompts_per_step": args.prompts_per_step
+            or TrainerSection.model_fields["prompts_per_step"].default,
             "trainers": TRAINERS,
             "inference_peers": args.inference,
             "colocated_threads": {"colocated": 1, "colocated-2t": 2},

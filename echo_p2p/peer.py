@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-steps", type=int, default=None, help="stop after this many training steps")
     tr.add_argument("--lr", type=float, default=None, help="learning rate of the trainers' AdamW")
     tr.add_argument(
+        "--prompts-per-step", type=int, default=None, help="rollout groups per GRPO step (default 16)"
+    )
+    tr.add_argument(
         "--publish-interval",
         type=float,
         default=None,
@@ -121,6 +124,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.collab.lr": args.lr,
         "trainer.max_staleness": args.max_staleness,
         "trainer.publish_interval": args.publish_interval,
+        "trainer.prompts_per_step": args.prompts_per_step,
         "run.task_options": dict(args.task_option) if args.task_option else None,
         **network_flags(args),
     }
