@@ -191,7 +191,18 @@ class InferenceSection(StrictModel):
         default=True, description="Serve the policy chunks this peer holds to other peers (peer assistance)"
     )
     weights_poll_period: float = Field(
-        default=0.25, gt=0, le=600, description="Async: seconds between two checks for a newer policy version"
+        default=1.0,
+        gt=0,
+        le=600,
+        description="Async: seconds between two checks for a newer policy version (a trainer's ack reporting "
+        "a newer version triggers a check at once)",
+    )
+    stale_wait: float = Field(
+        default=2.0,
+        ge=0,
+        le=600,
+        description="Async: when trainers refuse this peer's version as too stale, wait up to this long for "
+        "a newer version before sampling again",
     )
     pusher: PusherConfig = Field(default_factory=PusherConfig, description="Async mode: pushing rollouts")
     sample_server: SampleServerConfig = Field(

@@ -40,6 +40,8 @@ class InferencePeer(BasePeer):
         self.loop = None
         self.sample_server = None
         self._engine_lock = threading.Lock()  # engine weights + self.policy_version change together
+        self._new_version = threading.Condition()  # notified when a newer version is in the engine
+        self.stale_waits = 0  # times sampling waited because the trainers refused this version as too stale
         self._rng = random.Random(self.section.seed)
         self._started_work = time.monotonic()
         #: Progress callback of weight fetches (the CLI sets a bar / log reporter); None: silent.
@@ -85,7 +87,9 @@ class InferencePeer(BasePeer):
         if self.config.mode == "async":
             from echo_p2p.transport.rollout_push import RolloutPusher
 
-            self.pusher = RolloutPusher(self.loop, self.directory, section.pusher, namespace).start()
+            self.pusher = RolloutPusher(self.loop, self.directory, section.pusher, namespace)
+            self.pusher.on_trainer_version = self._on_trainer_version
+            self.pusher.start()
             self.fetcher.follow(on_update=self._load)
         else:
             from echo_p2p.transport.rollout_pull import SampleServicer
@@ -106,6 +110,8 @@ class InferencePeer(BasePeer):
                 return
             self.engine.load_weights(tensors)
             self.policy_version = weights.version
+        with self._new_version:
+            self._new_version.notify_all()
         logger.info("%s now samples with policy version %d", self.prefix(), weights.version)
 
     def _ensure_version(self, version: int) -> bool:
@@ -186,6 +192,7 @@ class InferencePeer(BasePeer):
         if not self._wait_first_version():
             return
         while not self.stop_event.is_set():
+            self._wait_if_stale()
             ids = self.task.sample_prompt_ids(self._rng, self.section.prompts_per_batch)
             groups = self._sample(ids, self.config.run.group_size)
             t0 = time.monotonic()
@@ -194,6 +201,32 @@ class InferencePeer(BasePeer):
             except TimeoutError:
                 logger.warning("%s no trainer took the batch; it stays in the outbox", self.prefix())
             self.room_wait_seconds += time.monotonic() - t0
+
+    def _on_trainer_version(self, version: int) -> None:
+        """An ack reported the trainer's version: if it is newer than ours, fetch now rather than at the
+        next poll (the record may lag the ack by one publish; the follower then just reads it again)."""
+        if self.policy_version is None or version > self.policy_version:
+            self.fetcher.nudge()
+
+    def _wait_if_stale(self) -> None:
+        """Async: while the trainers refuse groups of the version held as too stale, every group sampled
+        with it is wasted work: wait (at most ``stale_wait`` s) for a newer version first."""
+        floor = self.pusher.stale_floor
+        if floor is None or self.policy_version is None or self.policy_version > floor:
+            return
+        self.stale_waits += 1
+        self.fetcher.nudge()
+        t0 = time.monotonic()
+        deadline = t0 + self.section.stale_wait
+        with self._new_version:
+            while (
+                not self.stop_event.is_set()
+                and self.policy_version is not None
+                and self.policy_version <= floor
+                and time.monotonic() < deadline
+            ):
+                self._new_version.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+        self.weights_wait_seconds += time.monotonic() - t0
 
     def _wait_first_version(self) -> bool:
         t0 = time.monotonic()
@@ -234,6 +267,7 @@ class InferencePeer(BasePeer):
                 rollouts_rejected=push["rejected"],
                 seconds_waiting_for_room=push["seconds_waiting_for_room"],
                 outbox=push["outbox"],
+                stale_waits=self.stale_waits,
             )
         if self.sample_server is not None:
             out["sample_rpc"] = self.sample_server.stats()

@@ -278,6 +278,10 @@ class RolloutPusher:
         self.rejected: Counter[str] = Counter()  # reason -> groups refused for good
         self.seconds_waiting_for_room = 0.0  # submit blocked on a full outbox
         self.seconds_without_trainer = 0.0  # groups waiting and no trainer with room
+        self.trainer_version: int | None = None  # the newest policy version an ack reported
+        self.stale_floor: int | None = None  # the newest policy version of a group refused as too stale
+        #: called (in the sender thread) with a trainer's version when an ack reports a newer one
+        self.on_trainer_version: Callable[[int], None] | None = None
 
     # ---- API of the sampling thread ---------------------------------------------------------------------
     def start(self) -> RolloutPusher:
@@ -439,6 +443,10 @@ class RolloutPusher:
     def _settle(self, trainer: _Trainer, batch: list[_Item], ack: rollouts_pb2.PushAck) -> list[_Item]:
         """Count the verdicts of a push; returns the groups to send again."""
         trainer.failures = 0
+        if ack.policy_version > (self.trainer_version if self.trainer_version is not None else -1):
+            self.trainer_version = int(ack.policy_version)
+            if self.on_trainer_version is not None:
+                self.on_trainer_version(self.trainer_version)
         if ack.free_room >= 0:
             trainer.room, trainer.stamp = int(ack.free_room), time.time()
         requeue = []
@@ -464,6 +472,9 @@ class RolloutPusher:
             else:
                 reason = verdict.reason or "unknown"
                 self.rejected[reason] += 1
+                if reason == Reason.TOO_STALE.value:
+                    version = item.group.policy_version
+                    self.stale_floor = version if self.stale_floor is None else max(self.stale_floor, version)
                 # staleness is routine in async mode (counted, in the metrics); anything else is worth a line
                 log = logger.debug if reason == "too_stale" else logger.warning
                 log(

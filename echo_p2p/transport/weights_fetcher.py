@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 #: record is read and fetched at once instead of after ``poll_period``.
 _STALE_REASONS = frozenset({"version_dropped", "manifest_unavailable"})
 
+#: Seconds the follower waits after a check before it heeds the next nudge (acks can nudge many times a second).
+NUDGE_GAP = 0.05
+
 
 class FetcherConfig(BaseModel):
     """How an inference peer fetches policy versions and helps distribute them."""
@@ -249,6 +252,7 @@ class WeightFetcher:
         self._update_lock = threading.Lock()  # one fetch at a time
         self._announce_lock = threading.Lock()
         self._stop = threading.Event()
+        self._nudged = threading.Event()
         self._threads: list[threading.Thread] = []
         self._announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="provider-announce")
         # digests are checked in one thread: at most one core hashes, the streams and p2pd keep the others
@@ -343,7 +347,9 @@ class WeightFetcher:
                         on_update(weights)
                 except Exception:
                     logger.exception("policy update failed; will retry")
-                self._stop.wait(self.config.poll_period)
+                self._nudged.wait(self.config.poll_period)  # a nudge (or the stop) ends the wait early
+                self._nudged.clear()
+                self._stop.wait(NUDGE_GAP)  # nudges coming faster than this are merged
 
         self._spawn(loop, "policy-follower")
 
@@ -360,9 +366,15 @@ class WeightFetcher:
             "served": self.endpoint.servicer.stats.as_dict(),
         }
 
+    def nudge(self) -> None:
+        """Tell the follower a newer version exists (e.g. a trainer's ack said so): it reads the policy
+        record now instead of at its next poll."""
+        self._nudged.set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop following, announcing and serving (idempotent)."""
         self._stop.set()
+        self._nudged.set()
         for thread in self._threads:
             thread.join(timeout=self.config.request_timeout + 1)
         self._threads.clear()

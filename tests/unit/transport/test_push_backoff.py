@@ -48,3 +48,41 @@ def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(mon
     now[0] += 0.25
     assert pusher._choose() is trainer  # probed again after full_recheck, well before a 2 s heartbeat
     assert pusher._choose() is None  # one probe per full_recheck
+
+
+def _group(version: int):
+    from echo_p2p.rollout import Completion, RolloutGroup
+
+    return RolloutGroup(
+        task="count",
+        prompt_id=1,
+        prompt_token_ids=[1, 2],
+        completions=[Completion(token_ids=[3], logprobs=[-0.1], claimed_reward=1.0, finished=True)] * 2,
+        policy_version=version,
+        sampler_peer_id="QmSampler",
+        sampled_at=0.0,
+    )
+
+
+def test_acks_report_the_trainer_version_and_too_stale_refusals_raise_the_stale_floor():
+    from echo_p2p.transport.rollout_push import Reason, Status, _Item
+
+    pusher = RolloutPusher(loop=None, directory=None)
+    seen: list[int] = []
+    pusher.on_trainer_version = seen.append
+    trainer = _Trainer("QmTrainer", [], room=10, stamp=0.0)
+    old, fresh = _group(3), _group(9)
+    acks = [
+        rollouts_pb2.GroupAck(
+            rollout_id=old.rollout_id, status=Status.REJECTED, reason=Reason.TOO_STALE.value
+        ),
+        rollouts_pb2.GroupAck(rollout_id=fresh.rollout_id, status=Status.ACCEPTED),
+    ]
+    pusher._settle(
+        trainer, [_Item(old, b""), _Item(fresh, b"")], rollouts_pb2.PushAck(acks=acks, policy_version=9)
+    )
+    assert pusher.stale_floor == 3 and pusher.trainer_version == 9 and seen == [9]
+    pusher._settle(trainer, [], rollouts_pb2.PushAck(policy_version=9))
+    assert seen == [9]  # called only when the version moves
+    pusher._settle(trainer, [], rollouts_pb2.PushAck(policy_version=10))
+    assert seen == [9, 10]

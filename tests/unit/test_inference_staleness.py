@@ -1,0 +1,71 @@
+"""An async inference peer does not keep sampling with a version the trainers refuse as too stale."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from echo_p2p.config import InferenceSection
+from echo_p2p.roles.inference import InferencePeer
+
+
+class FakeFetcher:
+    def __init__(self):
+        self.nudges = 0
+
+    def nudge(self):
+        self.nudges += 1
+
+
+def peer(version: int | None, floor: int | None, stale_wait: float = 5.0) -> InferencePeer:
+    p = InferencePeer.__new__(InferencePeer)
+    p.section = InferenceSection(stale_wait=stale_wait)
+    p.pusher = type("P", (), {"stale_floor": floor})()
+    p.fetcher = FakeFetcher()
+    p.policy_version = version
+    p.stop_event = threading.Event()
+    p._new_version = threading.Condition()
+    p.stale_waits = 0
+    p.weights_wait_seconds = 0.0
+    return p
+
+
+def test_no_wait_while_the_version_is_accepted():
+    p = peer(version=7, floor=6)
+    p._wait_if_stale()
+    assert p.stale_waits == 0 and p.fetcher.nudges == 0
+    p = peer(version=7, floor=None)
+    p._wait_if_stale()
+    assert p.stale_waits == 0
+
+
+def test_a_refused_version_waits_for_a_newer_one_and_asks_for_it():
+    p = peer(version=6, floor=6)
+
+    def newer_version_arrives():
+        time.sleep(0.3)
+        with p._new_version:
+            p.policy_version = 8
+            p._new_version.notify_all()
+
+    threading.Thread(target=newer_version_arrives).start()
+    t0 = time.monotonic()
+    p._wait_if_stale()
+    assert 0.2 < time.monotonic() - t0 < 3.0
+    assert p.policy_version == 8 and p.fetcher.nudges == 1 and p.stale_waits == 1
+    assert p.weights_wait_seconds > 0.2
+
+
+def test_the_wait_has_a_deadline():
+    p = peer(version=6, floor=6, stale_wait=0.3)
+    t0 = time.monotonic()
+    p._wait_if_stale()  # no newer version comes: sample anyway after stale_wait
+    assert 0.25 < time.monotonic() - t0 < 2.0 and p.policy_version == 6
+
+
+def test_on_trainer_version_nudges_only_for_a_newer_version():
+    p = peer(version=5, floor=None)
+    p._on_trainer_version(5)
+    assert p.fetcher.nudges == 0
+    p._on_trainer_version(6)
+    assert p.fetcher.nudges == 1

@@ -1,0 +1,59 @@
+"""The weight follower polls slowly but reads the policy record at once when nudged (an ack said a newer
+version exists), and merges nudges that come faster than NUDGE_GAP."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+
+
+def follower(poll_period: float) -> tuple[WeightFetcher, list[float]]:
+    fetcher = WeightFetcher.__new__(WeightFetcher)
+    fetcher.config = FetcherConfig(poll_period=poll_period)
+    fetcher._stop = threading.Event()
+    fetcher._nudged = threading.Event()
+    fetcher._threads = []
+    checks: list[float] = []
+    fetcher.update = lambda: checks.append(time.monotonic())
+    return fetcher, checks
+
+
+def stop(fetcher: WeightFetcher) -> None:
+    fetcher._stop.set()
+    fetcher._nudged.set()
+    for thread in fetcher._threads:
+        thread.join(timeout=5)
+
+
+def test_a_nudge_makes_the_follower_check_now():
+    fetcher, checks = follower(poll_period=30.0)
+    fetcher.follow()
+    try:
+        deadline = time.monotonic() + 5
+        while not checks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(checks) == 1  # the first check, then a 30 s poll period
+        time.sleep(0.2)
+        assert len(checks) == 1
+        fetcher.nudge()
+        while len(checks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(checks) == 2
+    finally:
+        stop(fetcher)
+
+
+def test_nudges_in_a_burst_are_merged():
+    fetcher, checks = follower(poll_period=30.0)
+    fetcher.follow()
+    try:
+        time.sleep(0.2)
+        for _ in range(50):
+            fetcher.nudge()
+            time.sleep(0.002)
+        time.sleep(0.3)
+        assert 2 <= len(checks) <= 5, checks
+    finally:
+        stop(fetcher)
