@@ -171,3 +171,52 @@ def test_two_trainers_advance_together_and_exactly_one_publishes(tmp_path):
     assert "publishes policy versions" in logs and "stands by" in logs
     inference = [x for p in (workdir / "metrics").glob("inference-*.jsonl") for x in read_metrics(str(p))]
     assert max(x["version"] or 0 for x in inference) >= 5  # the inference peer follows the one publisher
+
+
+def test_ctrl_c_stops_every_process_the_local_swarm_started(tmp_path):
+    import os
+
+    import psutil
+
+    workdir = tmp_path / "run"
+    local = subprocess.Popen(
+        [sys.executable, "-m", "echo_p2p.local", "--duration", "0", "--status-period", "2"]
+        + ["--workdir", str(workdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    started: list[psutil.Process] = []
+    out = ""
+    try:
+        wait_until(
+            lambda: trainer_steps(workdir / "metrics") or local.poll() is not None,
+            180,
+            what="a training step",
+        )
+        assert local.poll() is None, local.stdout.read()[-3000:]
+        started = psutil.Process(local.pid).children(recursive=True)  # with the peers' DHT children, p2pd
+        names = [" ".join(p.cmdline()[1:6]) for p in psutil.Process(local.pid).children()]
+        assert any("echo_p2p.bootstrap" in n for n in names) and any("--role trainer" in n for n in names)
+        assert sum("--role inference" in n for n in names) == 2
+        os.killpg(local.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
+        out, _ = local.communicate(timeout=90)
+    finally:
+        if local.poll() is None:  # the test failed before or during the stop: stop the run ourselves
+            os.killpg(local.pid, signal.SIGINT)
+            try:
+                local.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(local.pid, signal.SIGKILL)
+                local.wait()
+        for child in started:
+            try:  # the swarm's peers run in sessions of their own: stop what is left of each, by its group
+                if child.is_running() and child.pid == os.getpgid(child.pid):
+                    os.killpg(child.pid, signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                pass
+    assert local.returncode == 0, out[-3000:]
+    assert f"stopped 4 processes; logs and metrics in {workdir}" in out and "summary:" in out, out[-2000:]
+    gone, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
