@@ -77,6 +77,25 @@ def task_option(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+def add_task_option_flag(parser, *, pass_through: bool = False) -> None:
+    """``--task-option KEY=VALUE`` (repeatable) on ``parser`` (or an argument group); the parsed value is a
+    list of ``(key, value)`` pairs, or of the checked ``KEY=VALUE`` texts with ``pass_through`` (a launcher
+    hands them on to the processes it starts, unchanged)."""
+
+    def checked_text(text: str) -> str:
+        task_option(text)
+        return text
+
+    parser.add_argument(
+        "--task-option",
+        action="append",
+        type=checked_text if pass_through else task_option,
+        metavar="KEY=VALUE",
+        default=[],
+        help="an option of the task, e.g. --task-option max_n=9 (repeatable)",
+    )
+
+
 def fail(message: str, code: int) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)

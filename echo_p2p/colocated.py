@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from echo_p2p.cli import task_option
+from echo_p2p.cli import add_task_option_flag
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.models import ModelSpec
 from echo_p2p.train.config import GRPOConfig
@@ -274,14 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the swarm is compared with).",
     )
     p.add_argument("--task", default="count", help="task name (default: count)")
-    p.add_argument(
-        "--task-option",
-        action="append",
-        type=task_option,
-        metavar="KEY=VALUE",
-        default=[],
-        help="an option of the task, e.g. --task-option max_n=9 (repeatable)",
-    )
+    add_task_option_flag(p)
     p.add_argument("--steps", type=int, default=300, help="training steps (default: 300; 0: no limit)")
     p.add_argument("--duration", type=float, default=None, help="time budget in seconds")
     p.add_argument("--metrics-dir", default=None, help="write colocated-<name>.jsonl here")

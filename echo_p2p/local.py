@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from echo_p2p.cli import EXIT_CONFIG, EXIT_START, fail, task_option
+from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail
 from echo_p2p.report import progress_line, reward_reached, write_report
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -308,14 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", default=d.task, help="task of the run (default: count, learnable in minutes)"
     )
     parser.add_argument("--model", choices=["tiny", "smollm2"], default=d.model, help="model preset")
-    parser.add_argument(
-        "--task-option",
-        action="append",
-        type=task_option,
-        metavar="KEY=VALUE",
-        default=[],
-        help="an option of the task for every peer, e.g. --task-option max_n=9 (repeatable)",
-    )
+    add_task_option_flag(parser, pass_through=True)
     parser.add_argument("--duration", type=float, default=d.duration, help="seconds to run; 0 = until Ctrl-C")
     parser.add_argument(
         "--until-reward",
@@ -369,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         colocated=args.colocated,
         threads=args.threads,
         extra_peer_args=peer_args,
-        task_options=tuple(f"{k}={v}" for k, v in args.task_option),
+        task_options=tuple(args.task_option),
     )
     if args.workdir:
         config.workdir = args.workdir

@@ -14,10 +14,10 @@ from echo_p2p.cli import (
     EXIT_CONFIG,
     EXIT_START,
     add_network_flags,
+    add_task_option_flag,
     fail,
     network_flags,
     run_peer,
-    task_option,
 )
 
 
@@ -51,14 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model-path", metavar="DIR", default=None, help="a local model directory instead")
     run.add_argument("--gguf-file", metavar="FILE", default=None, help="a GGUF file instead")
     run.add_argument("--task", default=None, help="task: count, letter, arithmetic, sokoban, plugin")
-    run.add_argument(
-        "--task-option",
-        action="append",
-        type=task_option,
-        metavar="KEY=VALUE",
-        default=None,
-        help="an option of the task, e.g. --task-option max_n=9 (repeatable)",
-    )
+    add_task_option_flag(run)
     run.add_argument("--group-size", type=int, default=None, help="completions per prompt (G)")
     run.add_argument("--temperature", type=float, default=None, help="sampling temperature")
     run.add_argument("--max-new-tokens", type=int, default=None, help="completion length cap")
@@ -125,7 +118,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.max_staleness": args.max_staleness,
         "trainer.publish_interval": args.publish_interval,
         "trainer.prompts_per_step": args.prompts_per_step,
-        "run.task_options": dict(args.task_option) if args.task_option else None,
+        "run.task_options": dict(args.task_option) or None,
         **network_flags(args),
     }
     model: dict[str, str] = {}

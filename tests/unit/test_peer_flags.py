@@ -53,3 +53,12 @@ def test_colocated_takes_the_same_task_options():
 def test_local_swarm_passes_task_options_to_every_process(tmp_path):
     swarm = LocalSwarm(LocalSwarmConfig(task_options=("max_n=9", "letters=ab"), workdir=str(tmp_path)))
     assert swarm._task_option_flags() == ["--task-option", "max_n=9", "--task-option", "letters=ab"]
+
+
+def test_local_swarm_hands_task_options_on_as_written_and_refuses_bad_ones(capsys):
+    from echo_p2p.local import build_parser
+
+    assert build_parser().parse_args(["--task-option", "letters='9'"]).task_option == ["letters='9'"]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--task-option", "max_n"])
+    assert exc.value.code == 2 and "KEY=VALUE" in capsys.readouterr().err
