@@ -60,17 +60,6 @@ TRAINERS = 1
 INFERENCE_PEERS = 1  # on 2 cores: one for the trainer, one for the inference peer
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    with open(path) as f:
-        for raw in f:
-            try:
-                out.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue  # a torn last line
-    return out
-
-
 def run_arm(
     arm: str, budget: float, workdir: Path, extra_wait: float, setup: dict[str, Any]
 ) -> tuple[float, float, int, Path]:
@@ -133,20 +122,20 @@ def mean(xs: list[float]) -> float | None:
 
 
 def steps_of(arm: str, metrics_dir: Path) -> list[dict[str, Any]]:
-    """Per-step lines, oldest first, normalised to time/step/version/reward/rollouts_consumed."""
-    pattern = "colocated-*.jsonl" if arm.startswith("colocated") else "trainer-*.jsonl"
-    lines: list[dict[str, Any]] = []
-    for path in sorted(metrics_dir.glob(pattern)) if metrics_dir.exists() else []:
-        lines += [x for x in read_jsonl(path) if "step" in x and "reward_mean" in x]
-    lines.sort(key=lambda x: (x["time"], x["step"]))
-    return lines
+    """Per-step lines of the arm's trainers (or co-located process), oldest first."""
+    from echo_p2p.report import step_lines
+
+    runs = step_lines(metrics_dir, "colocated" if arm.startswith("colocated") else "trainer")
+    return sorted((x for lines in runs.values() for x in lines), key=lambda x: (x["time"], x["step"]))
 
 
 def inference_figures(metrics_dir: Path) -> dict[str, Any]:
     """Idle shares of the inference peers from their last metrics line each."""
+    from echo_p2p.metrics import read_metrics
+
     waiting, not_sampling, groups = [], [], 0
     for path in sorted(metrics_dir.glob("inference-*.jsonl")) if metrics_dir.exists() else []:
-        lines = [x for x in read_jsonl(path) if "groups_sampled" in x]
+        lines = [x for x in read_metrics(str(path)) if "groups_sampled" in x]
         if not lines:
             continue
         last = lines[-1]
@@ -271,29 +260,12 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
+    from echo_p2p.report import plot_reward
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: reward-vs-time plot skipped")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results["arms"]:
-        curve = r.get("curve") or []
-        if not curve:
-            continue
-        rewards = [c[3] for c in curve]
-        smooth = [mean(rewards[max(0, i - WINDOW + 1) : i + 1]) for i in range(len(rewards))]
-        ax.plot([c[0] for c in curve], smooth, label=r["arm"])
-    ax.set_xlabel("seconds since launch")
-    ax.set_ylabel(f"reward ({WINDOW}-step mean)")
     cfg = results["config"]
-    ax.set_title(f"{cfg['task']}, {cfg['prompts_per_step']} prompts/step, {cfg['budget_s']:.0f} s per arm")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    curves = {r["arm"]: [(c[0], c[3]) for c in r.get("curve") or []] for r in results["arms"]}
+    title = f"{cfg['task']}, {cfg['prompts_per_step']} prompts/step, {cfg['budget_s']:.0f} s per arm"
+    plot_reward(curves, path, title, xlabel="seconds since launch")
     print(f"wrote {path}")
 
 

@@ -84,17 +84,10 @@ def quantile(xs: list[float], q: float) -> float | None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        with open(path) as f:
-            for raw in f:
-                try:
-                    out.append(json.loads(raw))
-                except json.JSONDecodeError:
-                    continue  # a torn last line
-    except FileNotFoundError:
-        pass
-    return out
+    """A JSON-lines file (a torn last line skipped); [] while the file does not exist yet."""
+    from echo_p2p.metrics import read_metrics
+
+    return read_metrics(str(path)) if path.exists() else []
 
 
 def fmt(value: Any, spec: str) -> str:
@@ -165,11 +158,10 @@ def replay_main(argv: list[str]) -> None:
     from echo_p2p.transport.rollout_push import RolloutPusher, Status
 
     class LoggingPusher(RolloutPusher):
-        """The real pusher; also logs every push (latency, verdicts) and keeps the version the acks carry."""
+        """The real pusher; also logs every push (latency, verdicts, the version the ack carries)."""
 
         def __init__(self, *a, log_path: str, **kw) -> None:
-            super().__init__(*a, **kw)
-            self.trainer_version: int | None = None
+            super().__init__(*a, **kw)  # RolloutPusher keeps trainer_version, the newest an ack reported
             self._log = open(log_path, "a", buffering=1)
             self._latency = 0.0
 
@@ -181,8 +173,6 @@ def replay_main(argv: list[str]) -> None:
                 self._latency = time.perf_counter() - t0
 
         def _settle(self, trainer, batch, ack):
-            if ack.policy_version >= 0:
-                self.trainer_version = max(self.trainer_version or 0, int(ack.policy_version))
             accepted = sum(1 for a in ack.acks if a.status == Status.ACCEPTED)
             duplicates = sum(1 for a in ack.acks if a.status == Status.DUPLICATE)
             rejected: dict[str, int] = {}

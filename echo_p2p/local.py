@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail
-from echo_p2p.report import progress_line, reward_reached, write_report
+from echo_p2p.report import Runs, progress_line, reward_reached, write_report
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -249,7 +249,8 @@ def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
     while not swarm.stop_event.is_set():
         head = f"\n[{time.monotonic() - t0:5.1f} s]"
         print(f"{head} {table()}" if table else head, flush=True)
-        progress = progress_line(metrics_dir)
+        runs = Runs.load(metrics_dir)  # read once a tick: the progress line and the reward target use it
+        progress = progress_line(runs)
         if progress:
             print(progress, flush=True)
         dead = swarm.dead_children()
@@ -261,7 +262,7 @@ def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
             return 1
         if config.duration and time.monotonic() - t0 >= config.duration:
             return 0
-        if config.until_reward is not None and reward_reached(metrics_dir, config.until_reward):
+        if config.until_reward is not None and reward_reached(runs, config.until_reward):
             print(f"reward reached {config.until_reward}: stopping", flush=True)
             return 0
         swarm.stop_event.wait(config.status_period)

@@ -33,6 +33,27 @@ def step_lines(metrics_dir: Path, role: str = "trainer") -> dict[str, list[dict[
     return out
 
 
+@dataclass
+class Runs:
+    """The per-step lines of a run folder, read once: the trainers' (``kind`` "swarm") or else the
+    co-located run's (``kind`` "colocated"); ``lines`` maps a metrics file stem to its lines."""
+
+    kind: str | None
+    lines: dict[str, list[dict[str, Any]]]
+
+    @classmethod
+    def load(cls, metrics_dir: Path) -> Runs:
+        trainers = step_lines(metrics_dir, "trainer")
+        if trainers:
+            return cls("swarm", trainers)
+        colocated = step_lines(metrics_dir, "colocated")
+        return cls("colocated" if colocated else None, colocated)
+
+    def merged(self) -> list[dict[str, Any]]:
+        """Every step line of every file, by time."""
+        return sorted((x for lines in self.lines.values() for x in lines), key=lambda x: x["time"])
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -47,12 +68,14 @@ def moving_mean(values: list[float], window: int = WINDOW) -> list[float]:
     return out
 
 
-def mean_staleness(hist: dict[str, int] | None) -> float | None:
-    """Mean of a ``staleness_hist`` (``{"versions behind": groups}``) or None when empty."""
-    if not hist:
-        return None
-    n = sum(hist.values())
-    return sum(int(k) * v for k, v in hist.items()) / n if n else None
+def mean_staleness(*hists: dict[str, int] | None) -> float | None:
+    """Mean over one or more ``staleness_hist`` (``{"versions behind": groups}``); None when all are empty."""
+    total = n = 0
+    for hist in hists:
+        for behind, groups in (hist or {}).items():
+            total += int(behind) * groups
+            n += groups
+    return total / n if n else None
 
 
 @dataclass
@@ -94,48 +117,37 @@ class RunSummary:
         return out
 
 
-def summarize(metrics_dir: Path) -> RunSummary | None:
+def summarize(runs: Runs) -> RunSummary | None:
     """Summary of the trainers' lines, else of the co-located run's, else None (nothing trained yet)."""
-    trainers = step_lines(metrics_dir, "trainer")
-    if trainers:
-        return _summarize_swarm(trainers)
-    colocated = step_lines(metrics_dir, "colocated")
-    if colocated:
-        return _summarize_colocated(next(iter(colocated.values())))
+    if runs.kind == "swarm":
+        return _summarize_swarm(runs)
+    if runs.kind == "colocated":
+        return _summarize_colocated(next(iter(runs.lines.values())))
     return None
 
 
-def _summarize_swarm(trainers: dict[str, list[dict[str, Any]]]) -> RunSummary:
-    merged = sorted((x for lines in trainers.values() for x in lines), key=lambda x: x["time"])
+def _summarize_swarm(runs: Runs) -> RunSummary:
+    merged = runs.merged()
     rewards = [x["reward_mean"] for x in merged]
-    lasts = [lines[-1] for lines in trainers.values()]
+    lasts = [lines[-1] for lines in runs.lines.values()]
     refused: dict[str, int] = {}
     for last in lasts:
         for reason, n in (last.get("rejected") or {}).items():
             refused[reason] = refused.get(reason, 0) + int(n)
-    staleness_total, staleness_n = 0.0, 0
-    for x in merged:
-        hist = x.get("staleness_hist") or {}
-        staleness_total += sum(int(k) * v for k, v in hist.items())
-        staleness_n += sum(hist.values())
-    seconds = merged[-1]["time"] - merged[0]["time"]
-    consumed = sum(int(last.get("rollouts_consumed", 0)) for last in lasts)
     idles = [last["idle_fraction"] for last in lasts if last.get("idle_fraction") is not None]
     return RunSummary(
         kind="swarm",
-        steps=sum(
-            int(last.get("steps", len(lines))) for last, lines in zip(lasts, trainers.values(), strict=True)
-        ),
+        steps=sum(int(lines[-1].get("steps", len(lines))) for lines in runs.lines.values()),
         versions=max(int(x.get("version") or 0) for x in merged),
-        seconds_training=seconds,
+        seconds_training=merged[-1]["time"] - merged[0]["time"],
         reward_first=mean(rewards[:WINDOW]),
         reward_final=mean(rewards[-WINDOW:]),
-        rollouts_consumed=consumed,
-        rollouts_per_second=_rate(trainers),
+        rollouts_consumed=sum(int(last.get("rollouts_consumed", 0)) for last in lasts),
+        rollouts_per_second=_rate(runs.lines),
         dropped_stale=sum(int(last.get("dropped_stale", 0)) for last in lasts),
         refused_at_ingest=refused,
         trainer_idle_fraction=mean(idles) if idles else None,
-        mean_staleness=staleness_total / staleness_n if staleness_n else None,
+        mean_staleness=mean_staleness(*(x.get("staleness_hist") for x in merged)),
     )
 
 
@@ -172,39 +184,34 @@ def _summarize_colocated(lines: list[dict[str, Any]]) -> RunSummary:
     )
 
 
-def progress_line(metrics_dir: Path) -> str | None:
+def progress_line(runs: Runs) -> str | None:
     """The live view's training line: step, version, reward, rollouts/s, staleness, drops, idle."""
-    trainers = step_lines(metrics_dir, "trainer")
-    kind = "training"
-    if not trainers:
-        trainers = step_lines(metrics_dir, "colocated")
-        kind = "co-located"
-    if not trainers:
+    if runs.kind is None:
         return None
-    merged = sorted((x for lines in trainers.values() for x in lines), key=lambda x: x["time"])
+    merged = runs.merged()
     newest = merged[-1]
     recent = merged[-WINDOW:]
     line = (
-        f"{kind}: step {len(merged)}, version {newest.get('version')}, "
-        f"reward {mean([x['reward_mean'] for x in recent]):.3f} "
+        f"{'training' if runs.kind == 'swarm' else 'co-located'}: step {len(merged)}, "
+        f"version {newest.get('version')}, reward {mean([x['reward_mean'] for x in recent]):.3f} "
         f"(first {min(WINDOW, len(merged))} steps: {mean([x['reward_mean'] for x in merged[:WINDOW]]):.3f}), "
-        f"{_rate(trainers):.1f} rollouts/s"
+        f"{_rate(runs.lines):.1f} rollouts/s"
     )
     stale = mean_staleness(newest.get("staleness_hist"))
     if stale is not None:
         line += f", staleness {stale:.1f}"
-    if kind == "training":
-        consumed = sum(int(lines[-1].get("rollouts_consumed", 0)) for lines in trainers.values())
-        dropped = sum(int(lines[-1].get("dropped_stale", 0)) for lines in trainers.values())
-        idle = mean([lines[-1].get("idle_fraction", 0.0) for lines in trainers.values()])
+    if runs.kind == "swarm":
+        lasts = [lines[-1] for lines in runs.lines.values()]
+        consumed = sum(int(last.get("rollouts_consumed", 0)) for last in lasts)
+        dropped = sum(int(last.get("dropped_stale", 0)) for last in lasts)
+        idle = mean([last.get("idle_fraction", 0.0) for last in lasts])
         line += f", consumed {consumed}, dropped stale {dropped}, trainer idle {100 * idle:.0f}%"
     return line
 
 
-def reward_reached(metrics_dir: Path, target: float) -> bool:
+def reward_reached(runs: Runs, target: float) -> bool:
     """True once the mean reward of the last WINDOW steps (all trainers together) is at least ``target``."""
-    trainers = step_lines(metrics_dir, "trainer") or step_lines(metrics_dir, "colocated")
-    merged = sorted((x for lines in trainers.values() for x in lines), key=lambda x: x["time"])
+    merged = runs.merged()
     return len(merged) >= WINDOW and mean([x["reward_mean"] for x in merged[-WINDOW:]]) >= target
 
 
@@ -241,25 +248,26 @@ def plot_reward(
     return path
 
 
-def reward_curves(metrics_dir: Path, start: float | None = None) -> dict[str, list[tuple[float, float]]]:
-    """``{label: [(seconds since start, reward)]}`` for every trainer and co-located run in ``metrics_dir``;
-    ``start`` defaults to the earliest step line."""
-    runs = {**step_lines(metrics_dir, "trainer"), **step_lines(metrics_dir, "colocated")}
-    if not runs:
+def reward_curves(runs: Runs, start: float | None = None) -> dict[str, list[tuple[float, float]]]:
+    """``{label: [(seconds since start, reward)]}`` for every metrics file of ``runs``; ``start`` defaults
+    to the earliest step line."""
+    if not runs.lines:
         return {}
-    t0 = start if start is not None else min(lines[0]["time"] for lines in runs.values())
+    t0 = start if start is not None else min(lines[0]["time"] for lines in runs.lines.values())
     return {
-        name[:22]: [(x["time"] - t0, float(x["reward_mean"])) for x in lines] for name, lines in runs.items()
+        name[:22]: [(x["time"] - t0, float(x["reward_mean"])) for x in lines]
+        for name, lines in runs.lines.items()
     }
 
 
 def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | None = None) -> dict[str, Any]:
     """Write ``summary.json`` and ``reward.png`` into ``out_dir``; returns what was written (paths, summary)."""
-    summary = summarize(metrics_dir)
+    runs = Runs.load(metrics_dir)
+    summary = summarize(runs)
     written: dict[str, Any] = {"summary": summary.as_dict() if summary else None}
     (out_dir / "summary.json").write_text(json.dumps(written["summary"], indent=2) + "\n")
     written["summary_path"] = str(out_dir / "summary.json")
-    curves = reward_curves(metrics_dir, start)
+    curves = reward_curves(runs, start)
     if curves:
         written["plot_path"] = str(plot_reward(curves, out_dir / "reward.png", title))
     return written

@@ -10,6 +10,7 @@ import pytest
 from echo_p2p.metrics import MetricsWriter
 from echo_p2p.report import (
     WINDOW,
+    Runs,
     mean_staleness,
     moving_mean,
     plot_reward,
@@ -45,7 +46,7 @@ def write_trainer(metrics_dir, peer, steps, *, t0=1000.0, reward=lambda i: i / 1
 def test_swarm_summary_adds_up_trainers_and_reads_the_reward_rise(tmp_path):
     write_trainer(tmp_path, "a", 30, rejected={"too_stale": 5})
     write_trainer(tmp_path, "b", 20, t0=1000.5, rejected={"too_stale": 1, "bad_reward": 2})
-    s = summarize(tmp_path)
+    s = summarize(Runs.load(tmp_path))
     assert s.kind == "swarm"
     assert s.steps == 50 and s.versions == 30
     assert s.rollouts_consumed == 16 * 30 + 16 * 20
@@ -71,27 +72,27 @@ def test_colocated_summary_and_idle_share(tmp_path):
             sampling_s=0.02,
             scoring_s=0.01,
         )
-    s = summarize(tmp_path)
+    s = summarize(Runs.load(tmp_path))
     assert s.kind == "colocated" and s.steps == 12 and s.rollouts_consumed == 192
     assert s.trainer_idle_fraction == pytest.approx(0.3)
     assert s.reward_final == pytest.approx(0.5)
 
 
 def test_nothing_trained_gives_no_summary_and_no_plot(tmp_path):
-    assert summarize(tmp_path / "missing") is None
+    assert summarize(Runs.load(tmp_path / "missing")) is None
     written = write_report(tmp_path / "missing", tmp_path, "empty")
     assert written["summary"] is None and "plot_path" not in written
     assert json.loads((tmp_path / "summary.json").read_text()) is None
 
 
 def test_progress_line_and_reward_target(tmp_path):
-    assert progress_line(tmp_path) is None
+    assert progress_line(Runs.load(tmp_path)) is None
     write_trainer(tmp_path, "a", 25)
-    line = progress_line(tmp_path)
+    line = progress_line(Runs.load(tmp_path))
     assert line.startswith("training: step 25, version 25")
     assert "staleness 1.0" in line and "16.0 rollouts/s" in line and "trainer idle 25%" in line
-    assert reward_reached(tmp_path, 0.15)  # last ten: 0.15..0.24, mean 0.195
-    assert not reward_reached(tmp_path, 0.2)
+    assert reward_reached(Runs.load(tmp_path), 0.15)  # last ten: 0.15..0.24, mean 0.195
+    assert not reward_reached(Runs.load(tmp_path), 0.2)
 
 
 def test_report_writes_a_png_of_the_curves(tmp_path):
@@ -101,7 +102,7 @@ def test_report_writes_a_png_of_the_curves(tmp_path):
     assert written["plot_path"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 30
-    curves = reward_curves(tmp_path)
+    curves = reward_curves(Runs.load(tmp_path))
     (points,) = curves.values()
     assert points[0] == (0.0, 0.0) and points[-1] == (29.0, 0.29)
 
