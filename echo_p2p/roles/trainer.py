@@ -127,7 +127,7 @@ class TrainerPeer(BasePeer):
         )
         if self.config.mode == "async":
             from echo_p2p.transport.rollout_config import PusherConfig
-            from echo_p2p.transport.rollout_push import RolloutIngestServicer
+            from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
 
             capacity = section.buffer_capacity or recommended_capacity(
                 section.prompts_per_step,

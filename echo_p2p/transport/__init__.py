@@ -2,7 +2,9 @@
 
 - ``weights_service`` / ``weights_publisher`` / ``weights_fetcher`` / ``trust``: policy versions from
   trainers to inference peers, peer-assisted, accepted only from trusted trainers.
-- ``rollouts`` (and its ``rollout_push`` / ``rollout_pull``): rollouts from inference peers to trainers.
+- ``rollout_push`` (inference side) / ``rollout_ingest`` (trainer side) for async mode, ``rollout_pull`` for
+  sync mode, ``rollout_config``: rollouts from inference peers to trainers.
+- ``p2p_loop``: the one event loop both transports run on.
 - ``collab_optimizer``: gradient aggregation across trainers with ``hivemind.Optimizer``.
 
 Nothing is imported here: importing the package stays free of hivemind and torch.

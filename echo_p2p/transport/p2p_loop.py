@@ -5,7 +5,7 @@ endpoint and the rollout transport each run one over the same p2pd), running cor
 synchronous threads with a deadline, dialing peers at their announced addresses, and ``peer_id_of``.
 Threading model: the peers' own threads (sampling, training) call synchronous APIs; the networking runs in
 the loop thread; servicers hand every blocking call to worker threads so that the loop stays responsive.
-Callers: ``weights_service``, ``rollout_push``, ``rollout_pull``, the peers, tests. Must not import torch.
+Callers: ``weights_service``, ``rollout_ingest``, ``rollout_push``, ``rollout_pull``, the peers, tests. Must not import torch.
 """
 
 from __future__ import annotations
@@ -154,15 +154,3 @@ def peer_id_of(base58: str):
         return PeerID.from_base58(base58)
     except Exception as exc:
         raise ValueError(f"bad peer id {base58[:64]!r}") from exc
-
-
-def __getattr__(name: str) -> Any:  # lazy re-exports: importing this module stays cheap
-    if name in ("RolloutIngestServicer", "RolloutPusher", "PusherConfig", "IngestServerConfig"):
-        from echo_p2p.transport import rollout_push
-
-        return getattr(rollout_push, name)
-    if name in ("SampleServicer", "SampleClient", "SampleServerConfig", "SampleClientConfig", "SampleError"):
-        from echo_p2p.transport import rollout_pull
-
-        return getattr(rollout_pull, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,8 @@ from echo_p2p.tasks import build_task
 from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.train.ingest import IngestConfig, IngestValidator
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollout_config import rollout_namespace
+from echo_p2p.transport.rollout_config import IngestServerConfig, PusherConfig, rollout_namespace
+from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
 from echo_p2p.transport.rollout_pull import (
     SampleClient,
     SampleClientConfig,
@@ -30,12 +31,7 @@ from echo_p2p.transport.rollout_pull import (
     SampleServicer,
     spread_by_weight,
 )
-from echo_p2p.transport.rollout_push import (
-    IngestServerConfig,
-    PusherConfig,
-    RolloutIngestServicer,
-    RolloutPusher,
-)
+from echo_p2p.transport.rollout_push import RolloutPusher
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(90)
