@@ -1,0 +1,134 @@
+"""Settings and counters of a weight fetcher: ``FetcherConfig`` (validated with the peer's config, before
+anything starts) and ``FetchStats`` (what the metrics line reports). Pure data; the machinery is
+``weights_fetcher`` and ``weights_fetch_session``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo_p2p.transport.weights_service import ServiceLimits
+
+
+class FetcherConfig(BaseModel):
+    """How an inference peer fetches policy versions and helps distribute them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    serve: bool = Field(
+        default=True, description="Peer assistance: serve held chunks and announce as a provider"
+    )
+    serve_retain: int = Field(
+        default=3, ge=1, description="Newest manifests kept for serving after apply (memory: their payloads)"
+    )
+    poll_period: float = Field(default=1.0, gt=0, description="follow(): seconds between DHT checks")
+    max_inflight_per_provider: int = Field(
+        default=2, ge=1, description="Concurrent chunk streams per peer provider"
+    )
+    chunks_per_request: int = Field(default=4, ge=1, description="Chunks asked per stream from a peer")
+    publisher_streams: int = Field(
+        default=2,
+        ge=1,
+        description="Chunk streams to the publisher at once; the next opens only when the current one has at "
+        "most one chunk left to start (one long stream at a time is fastest)",
+    )
+    publisher_pick: int = Field(
+        default=64,
+        ge=0,
+        description="Chunks of the publisher's choice in the first stream to it (0: we choose, no super-seeding)",
+    )
+    pick_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="Later streams to the publisher ask for as many chunks as arrive in this long at the "
+        "rate measured (short streams keep their candidate lists fresh on slow links)",
+    )
+    spare_publisher: bool = Field(
+        default=True, description="Ask the publisher only for chunks no other provider holds or is fetching"
+    )
+    publisher_fresh_window: float = Field(
+        default=30.0,
+        ge=0,
+        description="Ask the publisher to skip chunks it handed out this recently (others got them: ask them); "
+        "dropped for a manifest once the publisher has nothing fresh left and no other provider lists it",
+    )
+    stall_timeout: float = Field(
+        default=3.0, gt=0, description="No chunk for this long: ask the publisher for anything still missing"
+    )
+    chunk_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Deadline (s) to receive one whole chunk once it started (or the first)",
+    )
+    fetch_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of one whole fetch")
+    no_provider_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Give up a fetch after this long with nobody left to ask for a manifest of it (a version "
+        "the publisher dropped from its chain fails at once: version_dropped)",
+    )
+    no_progress_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Give up a fetch (kept chunks are reused next time) after this long without a chunk",
+    )
+    provider_refresh: float = Field(default=1.0, gt=0, description="Seconds between provider list reads")
+    have_period: float = Field(default=0.25, gt=0, description="Seconds between chunk-map polls of a peer")
+    max_provider_failures: int = Field(
+        default=2,
+        ge=1,
+        description="Timeouts/errors before a peer provider is dropped for the rest of a fetch (the publisher "
+        "is retried with a growing back-off instead)",
+    )
+    ban_seconds: float = Field(
+        default=600.0, ge=0, description="How long a provider that served bad data is avoided"
+    )
+    record_ttl: float = Field(default=30.0, gt=0, description="Lifetime (s) of this peer's ProviderRecord")
+    request_timeout: float = Field(
+        default=10.0, gt=0, description="Deadline (s) of DHT reads/writes and unary RPCs"
+    )
+    limits: ServiceLimits = Field(
+        default_factory=ServiceLimits, description="Serving limits (peer assistance)"
+    )
+
+
+@dataclass
+class FetchStats:
+    """Counters of a fetcher (they only grow); ``as_dict`` for the metrics line."""
+
+    versions_applied: int = 0
+    fetches_failed: Counter = field(default_factory=Counter)  # reason -> count
+    rejected: Counter = field(default_factory=Counter)  # bad input from peers: reason -> count
+    failures: Counter = field(
+        default_factory=Counter
+    )  # transport trouble (timeouts, dead peers): reason -> count
+    bytes_by_provider: Counter = field(default_factory=Counter)
+    retries: int = 0
+    duplicate_bytes: int = 0
+    last_fetch_seconds: float | None = None
+    last_transfer_seconds: float | None = None
+    last_apply_seconds: float | None = None
+    last_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the last fetch
+    last_fetch_bytes: int = 0
+    banned: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "versions_applied": self.versions_applied,
+            "fetches_failed": dict(self.fetches_failed),
+            "rejected": dict(self.rejected),
+            "failures": dict(self.failures),
+            "bytes_by_provider": dict(self.bytes_by_provider),
+            "retries": self.retries,
+            "duplicate_bytes": self.duplicate_bytes,
+            "fetch_seconds": self.last_fetch_seconds,
+            "transfer_seconds": self.last_transfer_seconds,
+            "apply_seconds": self.last_apply_seconds,
+            "phases": dict(self.last_phases),
+            "fetch_bytes": self.last_fetch_bytes,
+            "banned": dict(self.banned),
+        }
