@@ -147,7 +147,7 @@ class ColocatedTrainer:
     def shutdown(self) -> None:
         self.stop_event.set()
 
-    def _sample_groups(self, step: int) -> tuple[list[Any], dict[str, float]]:
+    def sample_groups(self, step: int) -> tuple[list[Any], dict[str, float]]:
         from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
         from echo_p2p.rollout import Completion, RolloutGroup
         from echo_p2p.train.buffer import ScoredGroup
@@ -203,7 +203,7 @@ class ColocatedTrainer:
             if cfg.duration is not None and time.perf_counter() - start >= cfg.duration:
                 break
             t0 = time.perf_counter()
-            groups, timing = self._sample_groups(step)
+            groups, timing = self.sample_groups(step)
             t1 = time.perf_counter()
             stats = self.learner.step(groups, self.optimizer)
             t2 = time.perf_counter()

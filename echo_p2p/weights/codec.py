@@ -12,6 +12,7 @@ Pure ML: must not import hivemind or do any networking. Does not sign manifests 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -21,6 +22,7 @@ import torch
 
 from echo_p2p.weights.config import EncodingConfig
 from echo_p2p.weights.manifest import (
+    PATCH_ENCODINGS,
     BaseVersionError,
     ChunkInfo,
     ChunkStore,
@@ -33,11 +35,13 @@ from echo_p2p.weights.manifest import (
     payload_nbytes,
     sha256_hex,
 )
+from echo_p2p.weights.patch import apply_patch_, decode_patch, diff16, encode_patch
 from echo_p2p.weights.quant import (
     DTYPE_NAMES,
+    SERVING_DTYPES,
     Chunker,
     PayloadReader,
-    add_dequantized_,
+    add_dequantized_state_,
     as_bytes,
     check_byteorder,
     check_tensor,
@@ -54,13 +58,19 @@ from echo_p2p.weights.quant import (
 class PolicyWeights:
     """Weights a receiver holds: the tensors of one version of one publisher's stream.
 
-    For an int8-delta stream the float tensors are float32 and must be kept as they are (the next delta
-    is added to them); load a cast copy into the model with `load_into_model`.
+    The float tensors are the stream's state and must be kept as they are (the next delta applies to
+    them): float32 in an int8-delta stream, the serving dtype (bf16 or fp16) in a patch or auto stream
+    (exactly the trainer's weights cast to it after a patch); load a cast copy into the model with `load_into_model`.
+    ``changed`` says what differs from version ``changed_since`` when only part of it does (after patches):
+    per tensor name, the flat positions that changed (None: the whole tensor); a name absent from it did not
+    change. ``changed=None``: unknown, treat every tensor as new.
     """
 
     version: int
     stream_id: str
     tensors: dict[str, torch.Tensor]
+    changed: dict[str, torch.Tensor | None] | None = None
+    changed_since: int | None = None
 
 
 @dataclass
@@ -93,6 +103,15 @@ class WeightEncoder:
     (``base_version=None``): a newcomer starting there and following the deltas ends bit-identical to a
     peer that followed every delta. The first version an encoder publishes is a keyframe only. Every
     encoder instance is its own stream (`stream_id`); after an error the stream restarts with a keyframe.
+
+    patch and auto: the shadow is in the serving dtype (bf16 or fp16), the weights receivers serve. Each
+    version is a lossless ``bf16-patch`` / ``fp16-patch`` (the values whose bits changed;
+    `echo_p2p.weights.patch`) after which the shadow is exactly ``new.to(serving dtype)``, or a keyframe
+    alone when the patch would not be smaller. auto also considers an ``int8-delta`` against the 16-bit
+    shadow (error feedback as above, rounded on both sides) and sends whichever of patch, int8 delta and
+    keyframe is smallest for that version; the next patch then restores exactness. Keyframes (every
+    ``keyframe_interval``) are ``bf16`` / ``fp16`` snapshots of the shadow.
+    ``last_stats`` describes the latest version: what was chosen and what each option would have cost.
     """
 
     def __init__(
@@ -110,6 +129,7 @@ class WeightEncoder:
         self._infos: list[ParamInfo] | None = None
         self._last_keyframe: int | None = None
         self.last_version: int | None = None
+        self.last_stats: dict[str, float | str] = {}
 
     def reset(self) -> None:
         """Forget the shadow and start a new stream: the next version is a keyframe only."""
@@ -136,21 +156,30 @@ class WeightEncoder:
                 f"version {version} is not after the last published version {self.last_version}"
             )
         for name, t in items:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if t.is_floating_point() and not _all_finite(t):
                 raise NonFiniteError(f"{name} has NaN or inf values")
         created = time.time() if created_at is None else float(created_at)
         cfg = self.config
-        if cfg.encoding != "int8-delta":
+        if cfg.encoding in ("fp32", "bf16", "int8"):
             pieces = (p for _, t in items for p in _snapshot_pieces(t, cfg.encoding, cfg.blocksize))
             out = [self._build(infos, version, None, cfg.encoding, pieces, created)]
             self.last_version = version
             return out
         if self._infos is not None and infos != self._infos:
             raise ParamMismatchError("tensor names, shapes or dtypes changed within a stream")
+        if cfg.encoding in ("patch", "auto"):
+            try:
+                out = self._encode_patch_stream(items, infos, version, created)
+            except BaseException:
+                self._reset_stream()
+                raise
+            self._infos = infos
+            self.last_version = version
+            return out
         try:
             out = []
             if self._shadow is None:
-                self._shadow = {name: _fp32_copy(t) for name, t in items}
+                self._shadow = {name: _state_copy(t, torch.float32) for name, t in items}
                 keyframe = True
             else:
                 pieces = self._delta_pieces(items)
@@ -170,6 +199,56 @@ class WeightEncoder:
         self.last_version = version
         return out
 
+    def _encode_patch_stream(
+        self, items: list[tuple[str, torch.Tensor]], infos: list[ParamInfo], version: int, created: float
+    ) -> list[EncodedVersion]:
+        """A patch / auto version: [update] or [update, keyframe] or [keyframe]; see the class doc."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        serving = cfg.serving_dtype
+        new = {name: _state_copy(t, SERVING_DTYPES[serving]) for name, t in items}
+        for name, t in new.items():  # finite in fp32 but past fp16's range
+            if t.is_floating_point() and not _all_finite(t):
+                raise NonFiniteError(f"{name} has values beyond the range of {serving}")
+        kinds = {"keyframe": sum(payload_nbytes(i, serving, cfg.blocksize) for i in infos)}
+        out: list[EncodedVersion] = []
+        stats: dict[str, float | str] = {"numel": float(sum(i.numel for i in infos if i.is_float))}
+        keyframe = self._shadow is None
+        if self._shadow is not None:
+            shadow = self._shadow
+            patches = {i.name: diff16(shadow[i.name], new[i.name]) for i in infos if i.is_float}
+            raw = {i.name: as_bytes(new[i.name]) for i in infos if not i.is_float}
+            patch = encode_patch(infos, patches, raw)
+            kinds["patch"] = len(patch)
+            stats["changed"] = float(sum(p.count for p in patches.values() if p is not None))
+            if cfg.encoding == "auto":
+                kinds["int8-delta"] = sum(payload_nbytes(i, "int8-delta", cfg.blocksize) for i in infos)
+            choice = min(kinds, key=lambda k: (kinds[k], k != "patch"))
+            stats["kind"] = choice
+            if choice == "patch":
+                memo = [memoryview(patch)]
+                out.append(self._build(infos, version, self.last_version, f"{serving}-patch", memo, created))
+                self._shadow = new
+            elif choice == "int8-delta":
+                pieces = self._delta_pieces(items)
+                out.append(self._build(infos, version, self.last_version, "int8-delta", pieces, created))
+            else:
+                keyframe = True
+            if not keyframe:
+                assert self._last_keyframe is not None
+                keyframe = version // cfg.keyframe_interval > self._last_keyframe // cfg.keyframe_interval
+        else:
+            stats["kind"] = "keyframe"
+        if keyframe:
+            if stats["kind"] == "keyframe":
+                self._shadow = new
+            pieces = (p for t in self._shadow.values() for p in _snapshot_pieces(t, serving, cfg.blocksize))
+            out.append(self._build(infos, version, None, serving, pieces, created))
+            self._last_keyframe = version
+        stats.update({f"{k}_bytes": float(v) for k, v in kinds.items()}, encode_s=time.perf_counter() - t0)
+        self.last_stats = stats
+        return out
+
     def _delta_pieces(self, items: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview]:
         """Payload of a delta version; advances the shadow param by param as the pieces are consumed."""
         assert self._shadow is not None
@@ -183,11 +262,11 @@ class WeightEncoder:
             if t.numel() == 0:
                 continue
             new = t.to("cpu", torch.float32).reshape(-1)
-            absmax, codes = quantize_blockwise(new - ref, blocksize)
+            absmax, codes = quantize_blockwise(new - ref.float(), blocksize)
             yield as_bytes(absmax)
             yield as_bytes(codes)
             if self.config.error_feedback:
-                add_dequantized_(ref, absmax, codes, blocksize)
+                add_dequantized_state_(ref, absmax, codes, blocksize)
             else:
                 ref.copy_(new)
 
@@ -270,13 +349,16 @@ class VersionAssembler:
         if use_current:
             assert current is not None
             self._check_current(current, contiguous=inplace)
+        if m.encoding in PATCH_ENCODINGS:
+            assert current is not None
+            return self._apply_patch(current, inplace)
         reader = PayloadReader(self.store)
         out: dict[str, torch.Tensor] = {}
         bs = m.blocksize
         for info in m.params:
             buf = reader.read(payload_nbytes(info, m.encoding, bs))
             dtype, n = decoded_dtype(info, m.encoding), info.numel
-            if not info.is_float or m.encoding in ("fp32", "bf16"):
+            if not info.is_float or m.encoding == "fp32" or m.encoding in SERVING_DTYPES:
                 new = from_payload(buf, dtype, n)
             elif is_delta:
                 assert current is not None
@@ -284,7 +366,7 @@ class VersionAssembler:
                 target = base if inplace else base.detach().clone(memory_format=torch.contiguous_format)
                 if n:
                     absmax, codes = split_int8(buf, n, bs)
-                    add_dequantized_(target.view(-1), absmax, codes, bs)
+                    add_dequantized_state_(target.view(-1), absmax, codes, bs)
                 out[info.name] = target
                 continue
             else:
@@ -298,6 +380,30 @@ class VersionAssembler:
                 out[info.name] = new
         return PolicyWeights(version=m.version, stream_id=m.stream_id, tensors=out)
 
+    def _apply_patch(self, current: PolicyWeights, inplace: bool) -> PolicyWeights:
+        """A patch on `current` (already checked): parsed and validated whole before anything changes."""
+        m = self.manifest
+        payload = b"".join(self.store.get(i) for i in range(m.num_chunks))
+        patches, raws = decode_patch(payload, m.params)
+        out: dict[str, torch.Tensor] = {}
+        changed: dict[str, torch.Tensor | None] = {}
+        for info in m.params:
+            base = current.tensors[info.name]
+            patch = patches.get(info.name)
+            if info.is_float and patch is None:
+                out[info.name] = base
+                continue
+            target = base if inplace else base.detach().clone(memory_format=torch.contiguous_format)
+            if info.is_float:
+                assert patch is not None
+                apply_patch_(target, patch)
+                changed[info.name] = None if patch.positions is None else torch.from_numpy(patch.positions)
+            else:
+                target.view(-1).copy_(from_payload(bytearray(raws[info.name]), target.dtype, info.numel))
+                changed[info.name] = None
+            out[info.name] = target
+        return PolicyWeights(m.version, m.stream_id, out, changed=changed, changed_since=current.version)
+
     def _check_current(self, current: PolicyWeights, *, contiguous: bool) -> None:
         m = self.manifest
         names = [p.name for p in m.params]
@@ -309,8 +415,11 @@ class VersionAssembler:
             )
         for info in m.params:
             t = current.tensors[info.name]
-            check_tensor(info.name, t, info.shape, decoded_dtype(info, m.encoding))
-            if contiguous and not t.is_contiguous():
+            dtype = decoded_dtype(info, m.encoding)
+            if m.encoding == "int8-delta" and info.is_float and t.dtype in SERVING_DTYPES.values():
+                dtype = t.dtype  # the int8 delta of an auto stream: its state is 16-bit
+            check_tensor(info.name, t, info.shape, dtype)
+            if (contiguous or m.encoding in PATCH_ENCODINGS) and not t.is_contiguous():
                 raise ParamMismatchError(f"{info.name}: in-place apply needs contiguous tensors")
 
 
@@ -320,9 +429,15 @@ def _param_info(name: str, t: torch.Tensor) -> ParamInfo:
     return ParamInfo(name=name, shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype])
 
 
-def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy: float32 for float tensors (the shadow's precision), own dtype otherwise."""
-    dtype = torch.float32 if t.is_floating_point() else t.dtype
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in `t`. A float32 sum is finite when every value is (one cheap pass, ~10x faster than
+    ``isfinite``); only when it is not (NaN, inf, or an overflow of huge values) is every value checked."""
+    return math.isfinite(float(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
+def _state_copy(t: torch.Tensor, float_dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU copy: `float_dtype` for float tensors (the shadow's precision), own dtype otherwise."""
+    dtype = float_dtype if t.is_floating_point() else t.dtype
     return torch.empty(t.shape, dtype=dtype).copy_(t)
 
 

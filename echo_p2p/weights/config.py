@@ -6,9 +6,14 @@ Kept apart from the codec so that configs can be parsed and validated without im
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from echo_p2p.weights.manifest import ALLOWED_BLOCKSIZES, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, Encoding
+from echo_p2p.weights.manifest import ALLOWED_BLOCKSIZES, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+
+#: What a publisher's stream is made of (a manifest's own encoding is one of `manifest.Encoding`).
+StreamEncoding = Literal["fp32", "bf16", "fp16", "int8", "int8-delta", "patch", "auto"]
 
 
 class EncodingConfig(BaseModel):
@@ -16,9 +21,17 @@ class EncodingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    encoding: Encoding = Field(
+    encoding: StreamEncoding = Field(
         default="int8-delta",
-        description="fp32 / bf16 / int8: one full snapshot per version; int8-delta: 8-bit deltas + keyframes",
+        description="fp32 / bf16 / fp16 / int8: one full snapshot per version; int8-delta: 8-bit deltas with "
+        "error feedback + fp32 keyframes; patch: receivers hold the weights cast to `serving_dtype` exactly, "
+        "each version a lossless patch of the values whose bits changed (or a keyframe when smaller); auto: "
+        "like patch, but a version may also be an int8 delta when that is smaller",
+    )
+    serving_dtype: Literal["bf16", "fp16"] = Field(
+        default="bf16",
+        description="patch / auto: the 16-bit dtype receivers hold (bf16: fp32's range, 8 significant bits; "
+        "fp16: 11 significant bits, 8x closer to the trainer's fp32 policy, values beyond +-65504 refused)",
     )
     chunk_size: int = Field(
         default=DEFAULT_CHUNK_SIZE,
@@ -29,7 +42,8 @@ class EncodingConfig(BaseModel):
     keyframe_interval: int = Field(
         default=10,
         ge=1,
-        description="int8-delta: also publish an exact fp32 snapshot when version crosses a multiple of this",
+        description="Delta streams: also publish a snapshot of the receivers' exact weights (fp32 for "
+        "int8-delta, `serving_dtype` otherwise) when the version crosses a multiple of this",
     )
     blocksize: int = Field(default=4096, description="Elements per absmax block of the 8-bit encodings")
     error_feedback: bool = Field(

@@ -22,7 +22,11 @@ from typing import Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-Encoding = Literal["fp32", "bf16", "int8", "int8-delta"]
+Encoding = Literal["fp32", "bf16", "fp16", "int8", "int8-delta", "bf16-patch", "fp16-patch"]
+#: Lossless patches of a 16-bit serving dtype (`echo_p2p.weights.patch`): compressed, so of no fixed size.
+PATCH_ENCODINGS = ("bf16-patch", "fp16-patch")
+#: Encodings of a version that applies to the weights of its ``base_version`` (the others are snapshots).
+DELTA_ENCODINGS = ("int8-delta", *PATCH_ENCODINGS)
 
 #: Largest chunk accepted from anyone (bytes).
 MAX_CHUNK_SIZE = 64 * 1024 * 1024
@@ -127,24 +131,45 @@ def payload_nbytes(param: ParamInfo, encoding: str, blocksize: int) -> int:
 
     Layout per parameter (little-endian, parameters back to back in manifest order, no padding):
     non-float dtypes: raw bytes of the value in its own dtype, in every encoding (deltas replace them);
-    ``fp32``: float32 values; ``bf16``: bfloat16 values; ``int8`` / ``int8-delta``: ``ceil(numel /
+    ``fp32``: float32 values; ``bf16`` / ``fp16``: bfloat16 / float16 values; ``int8`` / ``int8-delta``: ``ceil(numel /
     blocksize)`` float32 absmax values, then ``numel`` uint8 codes of bitsandbytes' signed dynamic map.
     """
     n = param.numel
     if not param.is_float:
-        return n * RAW_DTYPES[param.dtype]
+        return raw_nbytes(param)
+    if encoding in PATCH_ENCODINGS:
+        raise WeightsError(f"a {encoding} has no fixed size: see patch_raw_bound")
     if encoding == "fp32":
         return 4 * n
-    if encoding == "bf16":
+    if encoding in ("bf16", "fp16"):
         return 2 * n
     return 4 * (-(-n // blocksize)) + n
+
+
+def raw_nbytes(param: ParamInfo) -> int:
+    """Bytes of a non-float parameter's value, sent raw in every encoding."""
+    return param.numel * RAW_DTYPES[param.dtype]
+
+
+def patch_raw_bound(params: Iterable[ParamInfo]) -> int:
+    """Largest decompressed patch payload (``bf16-patch`` / ``fp16-patch``) (layout in `echo_p2p.weights.patch`): the raw non-float
+    values, and per float tensor a mode byte plus the larger of its dense form (2 bytes a value) and its
+    sparse form (an 8-byte count, then 6 bytes a value)."""
+    return sum(9 + 6 * p.numel if p.is_float else raw_nbytes(p) for p in params)
+
+
+def patch_payload_bound(params: Iterable[ParamInfo]) -> int:
+    """Largest compressed patch payload: zstandard's worst case for `patch_raw_bound` bytes."""
+    raw = patch_raw_bound(params)
+    return raw + (raw >> 8) + (1 << 17)
 
 
 class Manifest(BaseModel):
     """One policy version as a publisher announces it: what the chunks hold and how to check them.
 
     A full snapshot has ``base_version=None`` (encodings fp32, bf16, int8); a delta has encoding
-    ``int8-delta`` and applies only to the exact weights of ``base_version`` from the same ``stream_id``.
+    ``int8-delta``, ``bf16-patch`` or ``fp16-patch`` and applies only to the exact weights of ``base_version`` from the same
+    ``stream_id``.
     """
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -188,10 +213,10 @@ class Manifest(BaseModel):
         if self.base_version is not None:
             if not 0 <= self.base_version < self.version:
                 raise ValueError(f"base_version {self.base_version} must be in [0, version={self.version})")
-            if self.encoding != "int8-delta":
+            if self.encoding not in DELTA_ENCODINGS:
                 raise ValueError(f"encoding {self.encoding} is a full snapshot but base_version is set")
-        elif self.encoding == "int8-delta":
-            raise ValueError("an int8-delta manifest needs a base_version")
+        elif self.encoding in DELTA_ENCODINGS:
+            raise ValueError(f"an {self.encoding} manifest needs a base_version")
         if self.blocksize not in ALLOWED_BLOCKSIZES:
             raise ValueError(f"blocksize {self.blocksize} not in {ALLOWED_BLOCKSIZES}")
         if len({p.name for p in self.params}) != len(self.params):
@@ -203,9 +228,15 @@ class Manifest(BaseModel):
                 raise ValueError(f"chunk {i} has size {chunk.size}; expected chunk_size {self.chunk_size}")
         if sum(c.size for c in self.chunks) != self.total_bytes:
             raise ValueError("total_bytes differs from the sum of the chunk sizes")
-        expected = sum(payload_nbytes(p, self.encoding, self.blocksize) for p in self.params)
-        if expected != self.total_bytes:
-            raise ValueError(f"params need {expected} payload bytes but total_bytes is {self.total_bytes}")
+        if self.encoding in PATCH_ENCODINGS:  # compressed: only bounded
+            if self.total_bytes > patch_payload_bound(self.params):
+                raise ValueError(f"a patch of these params cannot take {self.total_bytes} bytes")
+        else:
+            expected = sum(payload_nbytes(p, self.encoding, self.blocksize) for p in self.params)
+            if expected != self.total_bytes:
+                raise ValueError(
+                    f"params need {expected} payload bytes but total_bytes is {self.total_bytes}"
+                )
         if not math.isfinite(self.created_at):
             raise ValueError("created_at must be finite")
         return self

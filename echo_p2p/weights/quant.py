@@ -34,6 +34,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+#: 16-bit dtypes receivers can serve exactly (snapshot encodings and patch streams), by encoding prefix.
+SERVING_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_byteorder() -> None:
@@ -50,10 +52,11 @@ def dynamic_code() -> torch.Tensor:
 
 
 def decoded_dtype(info: ParamInfo, encoding: str) -> torch.dtype:
-    """Dtype of a decoded tensor: bf16 for the bf16 encoding, float32 for the other float encodings."""
+    """Dtype of a decoded tensor: bf16 / fp16 for the bf16 / fp16 encodings, float32 for the others (an
+    int8-delta of an auto stream applies to a 16-bit state: see ``VersionAssembler``)."""
     if not info.is_float:
         return TORCH_DTYPES[info.dtype]
-    return torch.bfloat16 if encoding == "bf16" else torch.float32
+    return SERVING_DTYPES.get(encoding.removesuffix("-patch"), torch.float32)
 
 
 def quantize_blockwise(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +86,19 @@ def add_dequantized_(target: torch.Tensor, absmax: torch.Tensor, codes: torch.Te
         target[start:stop].add_(values.mul_(scale))
 
 
+def add_dequantized_state_(
+    target: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor, blocksize: int
+) -> None:
+    """`add_dequantized_` on a flat float32 or 16-bit state; a 16-bit state is added to in float32 and
+    rounded back (round-to-nearest-even), identically on the publisher's shadow and every receiver."""
+    if target.dtype == torch.float32:
+        add_dequantized_(target, absmax, codes, blocksize)
+        return
+    wide = target.float()
+    add_dequantized_(wide, absmax, codes, blocksize)
+    target.copy_(wide)
+
+
 def dequantize(absmax: torch.Tensor, codes: torch.Tensor, blocksize: int) -> torch.Tensor:
     """``code[codes] * absmax`` as a new flat float32 tensor (bit-identical to bitsandbytes' CPU kernel)."""
     out = torch.zeros(codes.numel(), dtype=torch.float32)
@@ -102,8 +118,8 @@ def encode_float(x: torch.Tensor, encoding: str, blocksize: int) -> Iterator[mem
     """Payload pieces of one float tensor for a full-snapshot encoding (fp32, bf16, int8)."""
     if encoding == "fp32":
         yield as_bytes(x.to("cpu", torch.float32))
-    elif encoding == "bf16":
-        yield as_bytes(x.to("cpu", torch.bfloat16))
+    elif encoding in SERVING_DTYPES:
+        yield as_bytes(x.to("cpu", SERVING_DTYPES[encoding]))
     elif encoding in ("int8", "int8-delta"):
         if x.numel() == 0:
             return
