@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,14 @@ class Engine(ABC):
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a new policy version (full-precision tensors named as in the model's state_dict) in place."""
+
+    def update_weights(
+        self, weights: dict[str, torch.Tensor], changed: Mapping[str, torch.Tensor | None]
+    ) -> None:
+        """Load a version that differs from the one held only where ``changed`` says: per tensor name, the
+        flat positions that changed (None: the whole tensor); tensors not named are unchanged. ``weights``
+        holds every tensor of the new version. This default loads the changed tensors whole."""
+        self.load_weights({name: weights[name] for name in changed})
 
     @property
     def tokens_per_second(self) -> float:
@@ -229,6 +238,17 @@ class TransformersEngine(Engine):
 
         with self._lock:
             load_weights_(self.model, weights)
+
+    def update_weights(
+        self, weights: dict[str, torch.Tensor], changed: Mapping[str, torch.Tensor | None]
+    ) -> None:
+        """Scatter only the changed values into the model's tensors (in place, no full copy)."""
+        from echo_p2p.ml.models import load_weights_
+
+        with self._lock:
+            load_weights_(
+                self.model, {name: weights[name] for name in changed}, strict=False, positions=changed
+            )
 
     def sample(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
         import torch

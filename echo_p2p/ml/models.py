@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -352,13 +353,21 @@ def is_quantized(model: PreTrainedModel) -> bool:
     return any(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in model.modules())
 
 
-def load_weights_(model: PreTrainedModel, weights: dict[str, torch.Tensor], strict: bool = True) -> None:
+def load_weights_(
+    model: PreTrainedModel,
+    weights: dict[str, torch.Tensor],
+    strict: bool = True,
+    positions: Mapping[str, torch.Tensor | None] | None = None,
+) -> None:
     """Load full-precision ``weights`` (names as in the full-precision model's ``state_dict``) into ``model``
     in place: plain parameters are copied (cast to their dtype/device), bitsandbytes layers are re-quantised
     from the new full-precision tensor. Tied parameters may be given under any of their names.
 
     ``strict``: every parameter of the model must be covered (a peer never runs a mixed policy). Unknown
     names or wrong shapes raise ``KeyError`` / ``ValueError`` before anything is modified.
+    ``positions``: for a partial update (``strict=False``), the flat positions of each tensor that changed
+    (None or absent: the whole tensor); only those values are written (a scatter, not a copy of the whole
+    tensor). A quantised layer is re-quantised whole whatever changed in it.
     """
     import torch
 
@@ -402,15 +411,22 @@ def load_weights_(model: PreTrainedModel, weights: dict[str, torch.Tensor], stri
         expected = _full_precision_shape(module, attr, bnb_types)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected}")
-        plan[canonical] = tensor
+        pos = positions.get(name) if positions is not None else None
+        if pos is not None and (pos.dtype != torch.int64 or pos.dim() != 1):
+            raise ValueError(f"{name}: positions must be a flat int64 tensor")
+        plan[canonical] = (tensor, pos)
 
     with torch.no_grad():
-        for canonical, tensor in plan.items():
+        for canonical, (tensor, pos) in plan.items():
             module, attr = slots[canonical]
             if bnb_types and isinstance(module, bnb_types) and attr == "weight":
                 _requantize(module, tensor, module.weight.device)
+                continue
+            target = getattr(module, attr)
+            if pos is not None and target.is_contiguous():
+                index = pos.to(target.device)
+                target.view(-1)[index] = tensor.reshape(-1)[pos].to(device=target.device, dtype=target.dtype)
             else:
-                target = getattr(module, attr)
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
 

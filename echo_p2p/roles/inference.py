@@ -108,7 +108,10 @@ class InferencePeer(BasePeer):
         with self._engine_lock:
             if self.policy_version is not None and weights.version <= self.policy_version:
                 return
-            self.engine.load_weights(tensors)
+            if weights.changed is not None and weights.changed_since == self.policy_version:
+                self.engine.update_weights(tensors, weights.changed)  # only what the patches changed
+            else:
+                self.engine.load_weights(tensors)
             self.policy_version = weights.version
         with self._new_version:
             self._new_version.notify_all()

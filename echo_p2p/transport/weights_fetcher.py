@@ -48,6 +48,7 @@ from echo_p2p.weights import (
     PolicyWeights,
     VersionAssembler,
     WeightsError,
+    merge_changes,
 )
 
 logger = logging.getLogger(__name__)
@@ -379,11 +380,18 @@ class WeightFetcher:
                 self._announce_soon()
         t_apply = time.monotonic()
         weights = held
+        changed: dict | None = {}  # what differs from `held`, for engines that update in place
         try:
             for asm in assemblers:
                 weights = asm.apply(weights, inplace=weights is not None and weights is not held)
+                changed = merge_changes(changed, weights.changed)
         except WeightsError as exc:
             raise FetchError("apply_failed", f"{type(exc).__name__}: {exc}") from None
+        assert weights is not None
+        if held is None or changed is None:
+            weights.changed, weights.changed_since = None, None
+        else:
+            weights.changed, weights.changed_since = changed, held.version
         with self._lock:
             self._weights = weights
         self._resume = {}

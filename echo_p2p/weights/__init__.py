@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         VersionAssembler,
         WeightEncoder,
         load_into_model,
+        merge_changes,
         named_tensors,
     )
 
@@ -45,6 +46,7 @@ _LAZY = {
     "VersionAssembler",
     "WeightEncoder",
     "load_into_model",
+    "merge_changes",
     "named_tensors",
 }
 
@@ -69,6 +71,7 @@ __all__ = [
     "WeightEncoder",
     "WeightsError",
     "load_into_model",
+    "merge_changes",
     "named_tensors",
 ]
 

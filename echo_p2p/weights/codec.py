@@ -423,6 +423,24 @@ class VersionAssembler:
                 raise ParamMismatchError(f"{info.name}: in-place apply needs contiguous tensors")
 
 
+def merge_changes(
+    first: dict[str, torch.Tensor | None] | None, then: dict[str, torch.Tensor | None] | None
+) -> dict[str, torch.Tensor | None] | None:
+    """The changes of two successive updates as one (``PolicyWeights.changed`` convention): the union of
+    the positions per tensor; None (unknown: everything) if either is None."""
+    if first is None or then is None:
+        return None
+    out = dict(first)
+    for name, positions in then.items():
+        if name not in out:
+            out[name] = positions
+        elif out[name] is None or positions is None:
+            out[name] = None
+        else:
+            out[name] = torch.unique(torch.cat([out[name], positions]))  # type: ignore[list-item]
+    return out
+
+
 def _param_info(name: str, t: torch.Tensor) -> ParamInfo:
     if t.dtype not in DTYPE_NAMES:
         raise ParamMismatchError(f"{name}: dtype {t.dtype} cannot be published")

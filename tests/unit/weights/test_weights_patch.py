@@ -21,6 +21,7 @@ from echo_p2p.weights import (
     PolicyWeights,
     VersionAssembler,
     WeightEncoder,
+    merge_changes,
 )
 from echo_p2p.weights.manifest import patch_payload_bound
 from echo_p2p.weights.patch import (
@@ -318,3 +319,12 @@ def test_steps_wrap_modulo_2_16_and_apply_in_place():
         apply_patch_(old.clone(), dense)
     with pytest.raises(PatchError):
         encode_patch(params(), {"mlp": dense}, {"steps": b"\x00" * 16})
+
+
+def test_changes_of_a_chain_merge_into_one_update():
+    a = {"x": torch.tensor([1, 5]), "y": None}
+    b = {"x": torch.tensor([2, 5]), "z": torch.tensor([0])}
+    merged = merge_changes(a, b)
+    assert merged["x"].tolist() == [1, 2, 5] and merged["y"] is None and merged["z"].tolist() == [0]
+    assert merge_changes(a, None) is None and merge_changes(None, b) is None
+    assert merge_changes({}, b) == b
