@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-seconds", type=float, default=60.0)
     p.add_argument("--max-seconds", type=float, default=60.0, help="give up training after this long")
     p.add_argument("--step-pause", type=float, default=0.0, help="sleep between local steps (seconds)")
+    p.add_argument("--verbose", action="store_true", help="log hivemind's optimizer events (INFO)")
     return p.parse_args(argv)
 
 
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         matchmaking_time=args.matchmaking_time,
         request_timeout=min(0.5, args.matchmaking_time / 2),
         progress_refresh_max=1.0,
+        verbose=args.verbose,
     )
     opt = make_collab_optimizer(
         dht, args.run_id, model.parameters(), config, private_key=identity.private_key

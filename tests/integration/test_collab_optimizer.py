@@ -66,6 +66,7 @@ def test_two_trainers_share_epochs_and_parameters_and_a_late_one_catches_up(
         "120",
         "--max-seconds",
         "60",
+        "--verbose",  # hivemind's round outcomes in the logs, for the post-mortem of a failure
     ]
     a_maddrs, b_maddrs = tmp_path / "a.maddrs", tmp_path / "b.maddrs"
     a_res, b_res, c_res = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
