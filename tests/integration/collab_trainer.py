@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         deadline = time.monotonic() + args.max_seconds
         step = 0
-        while trainer.version < args.until_epoch and not stop.is_set():
+        # Past the target epoch, go on until the last transition was agreed with the group (or the state was
+        # downloaded): after a failed round the optimizer re-synchronises within the next step or epoch.
+        while (trainer.version < args.until_epoch or not trainer.in_sync) and not stop.is_set():
             if time.monotonic() > deadline:
                 print(f"gave up at epoch {trainer.version}", flush=True)
                 return 2
@@ -176,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                     optimizer_s=res.optimizer_s,
                     reward=res.stats["reward_mean"],
                     peers=opt.tracker.global_progress.num_peers,
+                    in_sync=trainer.in_sync,
                 )
             )
             print(
                 f"step {step}: epoch {res.version_before}->{res.version} compute {res.compute_s:.3f}s "
-                f"opt {res.optimizer_s:.3f}s reward {res.stats['reward_mean']:.3f}",
+                f"opt {res.optimizer_s:.3f}s reward {res.stats['reward_mean']:.3f} in_sync {trainer.in_sync}",
                 flush=True,
             )
             step += 1
@@ -195,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp_pt, result.with_name(result.name + ".pt"))
         _write_atomic(
             result,
-            json.dumps(dict(epoch=trainer.version, steps=steps, peer_id=identity.peer_id)).encode(),
+            json.dumps(
+                dict(epoch=trainer.version, steps=steps, peer_id=identity.peer_id, sync=opt.sync_stats)
+            ).encode(),
         )
-        print(f"result written at epoch {trainer.version}", flush=True)
+        print(f"result written at epoch {trainer.version}, sync {opt.sync_stats}", flush=True)
 
         hold_until = time.monotonic() + args.hold_seconds
         while not stop.is_set() and time.monotonic() < hold_until:
