@@ -3,7 +3,8 @@
 Owned here: ``CollabOptimizerConfig`` (every knob of the collaborative optimizer, with settings proven on
 loopback), ``trainer_swarm_run_id`` (the optimizer's ``run_id``, derived from the echo run id: one per run,
 shared by every trainer of it), ``make_collab_optimizer`` (a ``hivemind.Optimizer`` wrapping AdamW over the
-policy's parameters), ``CollabTrainerStep`` (``Learner.compute_gradients`` then ``optimizer.step``, reporting
+policy's parameters; precisely ``collab_sync.SyncedOptimizer``, which keeps the trainers' states identical),
+``CollabTrainerStep`` (``Learner.compute_gradients`` then ``optimizer.step``, reporting
 whether a new policy version was reached) and ``shutdown_optimizer`` (bounded shutdown).
 Called by the trainer peer, tests and benchmarks. Must not compute losses (``echo_p2p.train`` does) nor
 publish weights (the weights transport does): it turns local gradients into swarm-wide optimizer epochs.
@@ -18,6 +19,17 @@ gradients in one all-reduce round, every one of them applies the same AdamW upda
 A trainer that joins late (or fell behind) sees a higher global epoch and downloads the parameters, the
 optimizer state and the epoch from a peer (``load_state_from_peers``): it catches up, and versions never
 diverge between trainers. hivemind's ``epoch`` is therefore echo_p2p's policy ``version``.
+
+hivemind alone keeps only the epochs together: after an all-reduce that failed for one trainer, a solo
+first epoch, or a round that paired a trainer with the other's next epoch, two trainers hold different
+parameters and Adam statistics under the same version (seen as a 7.7e-4 difference in the collab test).
+``collab_sync.SyncedOptimizer`` tags every gradient round with each member's (epoch, sync token); a
+member that is not on the round's reference, or whose round failed while other trainers are known,
+downloads the whole state at its next step. Trainers therefore hold the same state after every epoch they
+averaged together (up to the all-reduce's float rounding) and re-synchronise by the next step or the next
+shared round after a failure; ``CollabTrainerStep.in_sync`` says whether the last epoch was agreed.
+hivemind's state averaging is off by default (``average_state_every=0``): it averaged parameters only and
+undid none of this. The first shared round of two fresh trainers always costs one state download.
 
 Measured (``tests/integration/collab_trainer.py``; 2 shared CPU cores under load from other jobs, tiny policy,
 local steps of 4 groups x G=8 paced to ~0.24 s, ``target_batch_size=16`` groups, 10 epochs, medians):

@@ -231,3 +231,37 @@ def test_config_and_run_id_rules() -> None:
         CollabOptimizerConfig(matchmaking_time=0.5, request_timeout=0.5)
     with pytest.raises(ValueError):
         CollabOptimizerConfig(no_such_knob=1)
+
+
+def test_client_mode_of_the_config_reaches_every_averager() -> None:
+    """hivemind 1.1.12 replaces an explicit ``client_mode`` by the DHT's; ``SyncedOptimizer`` honours it."""
+    from echo_p2p.config import NetworkConfig
+    from echo_p2p.ml.models import build_tiny_policy
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.node import start_dht, stop_dht
+    from echo_p2p.transport.collab_optimizer import (
+        CollabOptimizerConfig,
+        make_collab_optimizer,
+        shutdown_optimizer,
+    )
+
+    identity = load_or_create_identity(None)
+    dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), identity, [SwarmKeys("cm")])
+    try:
+        assert not dht.client_mode
+        for wanted, expected in ((True, True), (None, False)):
+            model, _ = build_tiny_policy(0)
+            config = CollabOptimizerConfig(client_mode=wanted)
+            opt = make_collab_optimizer(
+                dht, "cm", model.parameters(), config, private_key=identity.private_key
+            )
+            try:
+                parts = (opt, opt.tracker, opt.state_averager, opt.grad_averager)
+                assert [bool(p.client_mode) for p in parts] == [expected] * 4, wanted
+                assert opt.state_averager.allow_state_sharing is not expected
+            finally:
+                assert shutdown_optimizer(opt, timeout=15)
+    finally:
+        stop_dht(dht)
+        identity.cleanup()
