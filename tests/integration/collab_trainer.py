@@ -5,8 +5,9 @@ when given), builds the tiny policy (same seed on every trainer) and a ``hivemin
 ``make_collab_optimizer``, then trains on the ``count`` task with rollouts it samples itself from
 ``--data-seed`` (so two trainers see different data) until its optimizer epoch reaches ``--until-epoch``.
 ``--join-file`` holds a late trainer back (imports done, model built) before it joins the DHT, and
-``--start-file`` holds training back until the test has every trainer up. Once at the target epoch it
-waits for background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
+``--start-file`` holds training back until the test has every trainer up. Once at the target epoch and
+in sync with the other trainers (``CollabTrainerStep.in_sync``: it goes on training until its last epoch
+was agreed, or its state downloaded), it waits for any background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
 JSON; parameters in ``<result>.pt``, both atomically) and keeps its averagers serving state until
 ``--hold-file`` appears or ``--hold-seconds`` pass, so a late trainer can load state from it. Every wait is
 bounded; SIGTERM shuts the optimizer and the DHT down. The per-step timings (``compute_s``,
