@@ -3,7 +3,8 @@
 Owned here: ``CollabOptimizerConfig`` (every knob of the collaborative optimizer, with settings proven on
 loopback), ``trainer_swarm_run_id`` (the optimizer's ``run_id``, derived from the echo run id: one per run,
 shared by every trainer of it), ``make_collab_optimizer`` (a ``hivemind.Optimizer`` wrapping AdamW over the
-policy's parameters), ``CollabTrainerStep`` (``Learner.compute_gradients`` then ``optimizer.step``, reporting
+policy's parameters; precisely ``collab_sync.SyncedOptimizer``, which keeps the trainers' states identical),
+``CollabTrainerStep`` (``Learner.compute_gradients`` then ``optimizer.step``, reporting
 whether a new policy version was reached) and ``shutdown_optimizer`` (bounded shutdown).
 Called by the trainer peer, tests and benchmarks. Must not compute losses (``echo_p2p.train`` does) nor
 publish weights (the weights transport does): it turns local gradients into swarm-wide optimizer epochs.
@@ -18,6 +19,17 @@ gradients in one all-reduce round, every one of them applies the same AdamW upda
 A trainer that joins late (or fell behind) sees a higher global epoch and downloads the parameters, the
 optimizer state and the epoch from a peer (``load_state_from_peers``): it catches up, and versions never
 diverge between trainers. hivemind's ``epoch`` is therefore echo_p2p's policy ``version``.
+
+hivemind alone keeps only the epochs together: after an all-reduce that failed for one trainer, a solo
+first epoch, or a round that paired a trainer with the other's next epoch, two trainers hold different
+parameters and Adam statistics under the same version (seen as a 7.7e-4 difference in the collab test).
+``collab_sync.SyncedOptimizer`` tags every gradient round with each member's (epoch, sync token); a
+member that is not on the round's reference, or whose round failed while other trainers are known,
+downloads the whole state at its next step. Trainers therefore hold the same state after every epoch they
+averaged together (up to the all-reduce's float rounding) and re-synchronise by the next step or the next
+shared round after a failure; ``CollabTrainerStep.in_sync`` says whether the last epoch was agreed.
+hivemind's state averaging is off by default (``average_state_every=0``): it averaged parameters only and
+undid none of this. The first shared round of two fresh trainers always costs one state download.
 
 Measured (``tests/integration/collab_trainer.py``; 2 shared CPU cores under load from other jobs, tiny policy,
 local steps of 4 groups x G=8 paced to ~0.24 s, ``target_batch_size=16`` groups, 10 epochs, medians):
@@ -56,7 +68,6 @@ Traps (read STACK.md too)
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -137,15 +148,17 @@ class CollabOptimizerConfig(BaseModel):
         description="Seconds a late or lagging trainer waits for one download of the swarm's state.",
     )
     average_state_every: int = Field(
-        default=1,
-        ge=1,
-        description="Average parameters and optimizer statistics with the other trainers every this many "
-        "epochs (a safety net against drift; gradient averaging alone keeps in-sync peers identical).",
+        default=0,
+        ge=0,
+        description="0 (default): no hivemind state averaging; trainers are kept identical by the sync check "
+        "of every gradient round and a state download when it fails (``collab_sync``). N >= 1: also average "
+        "parameters (not the optimizer statistics) every N epochs; that mixes the states of out-of-sync "
+        "trainers behind the sync check's back, so trainers are then only approximately equal.",
     )
     delay_state_averaging: bool = Field(
         default=True,
-        description="Average the state in a background thread and apply it at the next step (True, cheap), "
-        "or synchronously inside the epoch's step (False: one more matchmaking round per epoch).",
+        description="With ``average_state_every`` >= 1: average the state in a background thread and apply "
+        "it at the next step (True, cheap), or synchronously inside the epoch's step (False).",
     )
     reuse_grad_buffers: bool = Field(
         default=False,
@@ -177,7 +190,8 @@ class CollabOptimizerConfig(BaseModel):
     )
     client_mode: bool | None = Field(
         default=None,
-        description="Do not accept incoming averaging connections (behind NAT); None: as the DHT.",
+        description="Do not accept incoming averaging connections and do not serve state (behind NAT); "
+        "None: as the DHT. Honoured by ``SyncedOptimizer`` (plain hivemind 1.1.12 ignores it).",
     )
     shutdown_timeout: float = Field(
         default=5.0, gt=0, description="Seconds each averager may take to leave the swarm on shutdown."
@@ -221,10 +235,10 @@ def make_collab_optimizer(
     Gradients are averaged once per epoch (``use_local_updates=False``): every trainer of an epoch applies the
     same update. ``optimizer.local_epoch`` is the policy version.
     """
-    import hivemind
     import torch
     from hivemind.compression import Float16Compression, NoCompression
-    from hivemind.optim.grad_averager import GradientAverager
+
+    from echo_p2p.transport.collab_sync import NEVER, SyncedOptimizer
 
     compression = Float16Compression() if config.compression == "float16" else NoCompression()
     lr, betas, eps, wd = config.lr, config.betas, config.eps, config.weight_decay
@@ -243,7 +257,7 @@ def make_collab_optimizer(
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters to optimise")
-    return hivemind.Optimizer(
+    return SyncedOptimizer(
         dht=dht,
         run_id=trainer_swarm_run_id(run_id),
         params=params,
@@ -254,14 +268,14 @@ def make_collab_optimizer(
         matchmaking_time=config.matchmaking_time,
         averaging_timeout=config.averaging_timeout,
         load_state_timeout=config.load_state_timeout,
-        average_state_every=config.average_state_every,
+        average_state_every=config.average_state_every or NEVER,
         delay_state_averaging=config.delay_state_averaging,
         reuse_grad_buffers=config.reuse_grad_buffers,
         client_mode=config.client_mode,
         grad_compression=compression,
         state_averaging_compression=compression,
         averager_opts=dict(request_timeout=config.request_timeout),
-        grad_averager_factory=functools.partial(GradientAverager, request_timeout=config.request_timeout),
+        grad_averager_opts=dict(request_timeout=config.request_timeout),
         tracker_opts=tracker_opts,
         shutdown_timeout=config.shutdown_timeout,
         verbose=config.verbose,
@@ -330,6 +344,12 @@ class CollabTrainerStep:
     def version(self) -> int:
         """The policy version this trainer holds (the optimizer's local epoch)."""
         return int(self.optimizer.local_epoch)
+
+    @property
+    def in_sync(self) -> bool:
+        """True when this trainer's last epoch was agreed with the other trainers of its round (or its state
+        was just downloaded from one, or it is alone): see ``echo_p2p.transport.collab_sync``."""
+        return bool(getattr(self.optimizer, "in_sync", True))
 
     def settle(self) -> None:
         """Wait for background state averaging (``delay_state_averaging``) and apply its result, so the

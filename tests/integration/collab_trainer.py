@@ -5,8 +5,9 @@ when given), builds the tiny policy (same seed on every trainer) and a ``hivemin
 ``make_collab_optimizer``, then trains on the ``count`` task with rollouts it samples itself from
 ``--data-seed`` (so two trainers see different data) until its optimizer epoch reaches ``--until-epoch``.
 ``--join-file`` holds a late trainer back (imports done, model built) before it joins the DHT, and
-``--start-file`` holds training back until the test has every trainer up. Once at the target epoch it
-waits for background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
+``--start-file`` holds training back until the test has every trainer up. Once at the target epoch and
+in sync with the other trainers (``CollabTrainerStep.in_sync``: it goes on training until its last epoch
+was agreed, or its state downloaded), it waits for any background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
 JSON; parameters in ``<result>.pt``, both atomically) and keeps its averagers serving state until
 ``--hold-file`` appears or ``--hold-seconds`` pass, so a late trainer can load state from it. Every wait is
 bounded; SIGTERM shuts the optimizer and the DHT down. The per-step timings (``compute_s``,
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-seconds", type=float, default=60.0)
     p.add_argument("--max-seconds", type=float, default=60.0, help="give up training after this long")
     p.add_argument("--step-pause", type=float, default=0.0, help="sleep between local steps (seconds)")
+    p.add_argument("--verbose", action="store_true", help="log hivemind's optimizer events (INFO)")
     return p.parse_args(argv)
 
 
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         matchmaking_time=args.matchmaking_time,
         request_timeout=min(0.5, args.matchmaking_time / 2),
         progress_refresh_max=1.0,
+        verbose=args.verbose,
     )
     opt = make_collab_optimizer(
         dht, args.run_id, model.parameters(), config, private_key=identity.private_key
@@ -135,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         deadline = time.monotonic() + args.max_seconds
         step = 0
-        while trainer.version < args.until_epoch and not stop.is_set():
+        # Past the target epoch, go on until the last transition was agreed with the group (or the state was
+        # downloaded): after a failed round the optimizer re-synchronises within the next step or epoch.
+        while (trainer.version < args.until_epoch or not trainer.in_sync) and not stop.is_set():
             if time.monotonic() > deadline:
                 print(f"gave up at epoch {trainer.version}", flush=True)
                 return 2
@@ -174,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                     optimizer_s=res.optimizer_s,
                     reward=res.stats["reward_mean"],
                     peers=opt.tracker.global_progress.num_peers,
+                    in_sync=trainer.in_sync,
                 )
             )
             print(
                 f"step {step}: epoch {res.version_before}->{res.version} compute {res.compute_s:.3f}s "
-                f"opt {res.optimizer_s:.3f}s reward {res.stats['reward_mean']:.3f}",
+                f"opt {res.optimizer_s:.3f}s reward {res.stats['reward_mean']:.3f} in_sync {trainer.in_sync}",
                 flush=True,
             )
             step += 1
@@ -193,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp_pt, result.with_name(result.name + ".pt"))
         _write_atomic(
             result,
-            json.dumps(dict(epoch=trainer.version, steps=steps, peer_id=identity.peer_id)).encode(),
+            json.dumps(
+                dict(epoch=trainer.version, steps=steps, peer_id=identity.peer_id, sync=opt.sync_stats)
+            ).encode(),
         )
-        print(f"result written at epoch {trainer.version}", flush=True)
+        print(f"result written at epoch {trainer.version}, sync {opt.sync_stats}", flush=True)
 
         hold_until = time.monotonic() + args.hold_seconds
         while not stop.is_set() and time.monotonic() < hold_until:

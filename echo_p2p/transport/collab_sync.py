@@ -1,0 +1,326 @@
+"""Keeps the trainers' states identical: ``hivemind.Optimizer`` plus a lineage check on every gradient round.
+
+Owned here: ``SyncedOptimizer`` (the ``hivemind.Optimizer`` that ``make_collab_optimizer`` builds) and the
+pure rules it applies (``choose_reference``, ``next_token``, ``parse_tag``). Called by
+``echo_p2p.transport.collab_optimizer`` only. Must not compute losses nor talk to anything but hivemind.
+
+Why
+---
+hivemind keeps trainers' *epochs* together, not their *states*. Two trainers end up with different
+parameters and Adam statistics whenever one epoch was not the same update on both: an all-reduce that
+failed or timed out for one of them (each then applies its own gradients), a trainer that did an epoch
+alone before it saw the other one, or a trainer one epoch behind whose round was matched with the other's
+next round (hivemind tolerates a lag of one epoch, and gradient rounds do not compare epochs). hivemind's
+state averaging does not repair this: it averages parameters only (not the optimizer statistics) and in the
+background, so the trainers drift again in the next epoch.
+
+How
+---
+Every trainer holds a *sync token*: a name for the lineage of its state (parameters, optimizer statistics,
+epoch). It starts random. Each gradient round gathers ``{"epoch", "token"}`` from every member. Afterwards
+every member applies the same rule to the same gathered data (``choose_reference``: highest epoch, then the
+token most members hold, then the greatest token):
+
+- a member whose tag is the reference applied the same averaged gradients to the same state as every other
+  such member, so they all take the same new token ``next_token(token, new epoch, group's peer ids)``;
+- any other member is out of sync: at its next ``step`` it discards its gradients and downloads the full
+  state (parameters, optimizer statistics, epoch, token) from a peer (``load_state_from_peers``), with
+  its own state sharing switched off meanwhile so that it never downloads from another out-of-sync peer;
+- a member whose round failed while other trainers are known does the same (best effort: when no peer
+  serves its state, the next round's comparison decides).
+
+So two trainers hold the same state after every epoch they averaged together (up to the all-reduce's float
+rounding, ~1e-7 relative), and one failed round is repaired by the next step, or at the latest by the next
+round they share. ``in_sync`` tells whether this trainer's last transition was such an agreed one.
+
+The download is bounded: one attempt of at most ``load_state_timeout`` seconds per step (hivemind's own
+``load_state_from_peers`` retries forever). It also fixes hivemind 1.1.12 ignoring ``client_mode`` (it
+replaces any explicit value by the DHT's).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import secrets
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
+
+logger = logging.getLogger(__name__)
+
+SyncTag = tuple[int, str]  # (epoch, token)
+TAG_KEY = "echo_sync"  # key of the tag in a downloaded state's metadata
+NEVER = 2**62  # hivemind's ``average_state_every`` for "no state averaging" (epoch % NEVER is never 0)
+
+
+def parse_tag(value: Any) -> SyncTag | None:
+    """A gathered ``{"epoch": int, "token": str}``; None when malformed or absent (e.g. an older peer)."""
+    if not isinstance(value, Mapping):
+        return None
+    epoch, token = value.get("epoch"), value.get("token")
+    if type(epoch) is not int or epoch < 0 or not isinstance(token, str) or not 0 < len(token) <= 64:
+        return None
+    return epoch, token
+
+
+def choose_reference(tags: Iterable[SyncTag | None]) -> SyncTag | None:
+    """The tag every member of a round syncs to: the highest epoch, then the tag most members hold, then
+    the greatest token. Deterministic, so every member that gathered the same tags picks the same one."""
+    counts = Counter(tag for tag in tags if tag is not None)
+    if not counts:
+        return None
+    return max(counts, key=lambda tag: (tag[0], counts[tag], tag[1]))
+
+
+def next_token(token: str, epoch: int, peer_ids: Iterable[str]) -> str:
+    """The token of a state reached from ``token`` by epoch ``epoch``'s update, averaged among ``peer_ids``
+    (just this trainer's id when it applied its own gradients)."""
+    text = f"{token}|{epoch}|{','.join(sorted(peer_ids))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def fresh_token() -> str:
+    """A token no other state has: for a state nobody else can hold (initial, or out of sync)."""
+    return secrets.token_hex(16)
+
+
+class _TaggedGradientAverager(GradientAverager):
+    """Sends the optimizer's sync tag with every gradient round (hivemind's all-gather)."""
+
+    tag_fn: Any = None
+
+    def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any):
+        if self.tag_fn is not None and "gather" not in kwargs:
+            kwargs["gather"] = self.tag_fn()
+        return super().schedule_step(scheduled_time, **kwargs)
+
+
+class _TaggedStateAverager(TrainingStateAverager):
+    """Serves the sync tag with the state; loads a state in one bounded attempt and says what it loaded."""
+
+    sync_tag: SyncTag | None = None  # set by the optimizer; read by the state-serving thread
+
+    def get_current_state(self):
+        tag = self.sync_tag  # read first: a tag older than the tensors is caught by the epoch check on load
+        metadata, tensors, infos = super().get_current_state()
+        if tag is not None:
+            metadata[TAG_KEY] = {"epoch": tag[0], "token": tag[1]}
+        return metadata, tensors, infos
+
+    def load_state_from_peers(self, **kwargs: Any) -> dict | None:
+        """``TrainingStateAverager.load_state_from_peers`` (hivemind 1.1.12) returning the metadata of the
+        state it applied, or None when it applied none."""
+        opt_parameters = tuple(p for group in self.optimizer.param_groups for p in group["params"])
+        main_parameters_and_extras = (*opt_parameters, *self.extra_tensors)
+        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
+        if loaded is None:
+            return None
+        metadata, flat_tensors = loaded
+        if not isinstance(metadata, dict) or type(metadata.get("epoch")) is not int:
+            logger.warning("ignoring a downloaded state without an epoch")
+            return None
+        if metadata["epoch"] < self.local_epoch:
+            logger.warning("ignoring a downloaded state of epoch %d < ours", metadata["epoch"])
+            return None
+        count = len(main_parameters_and_extras)
+        if len(flat_tensors) < count:
+            logger.warning(
+                "ignoring a downloaded state with %d tensors, expected >= %d", len(flat_tensors), count
+            )
+            return None
+        with torch.no_grad(), self.lock_averaged_tensors:
+            try:
+                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], flat_tensors[count:])
+            except (StopIteration, KeyError, ValueError, RuntimeError) as e:
+                logger.warning("ignoring a downloaded state with inconsistent optimizer statistics: %r", e)
+                return None
+            for local, remote in zip(main_parameters_and_extras, flat_tensors[:count], strict=True):
+                local.copy_(remote, non_blocking=True)
+        if self.offload_optimizer:
+            self._apply_optimizer_parameters_()
+        if not self.reuse_tensors:
+            self._load_local_tensors_into_averager_()
+        self.local_epoch = metadata["epoch"]
+        self._update_scheduler()
+        return metadata
+
+
+class SyncedOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` whose trainers re-synchronise their whole state after any irregular epoch
+    (see the module docstring). Same arguments as ``hivemind.Optimizer``, except that ``client_mode`` is
+    honoured (None: the DHT's) and the gradient averager is always this module's, built with
+    ``grad_averager_opts`` (e.g. ``request_timeout``) instead of a ``grad_averager_factory``."""
+
+    def __init__(
+        self,
+        *,
+        dht: hivemind.DHT,
+        client_mode: bool | None = None,
+        grad_averager_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if "grad_averager_factory" in kwargs:
+            raise TypeError("SyncedOptimizer builds its own gradient averager: pass grad_averager_opts")
+        self._client_mode = dht.client_mode if client_mode is None else bool(client_mode)
+        self.sync_token = fresh_token()
+        self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
+        self.sync_stats = dict(agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0)
+        self._must_resync = False
+        self._round_tags: dict[str, SyncTag | None] | None = None
+        factory = functools.partial(_TaggedGradientAverager, **(grad_averager_opts or {}))
+        super().__init__(dht=dht, client_mode=None, grad_averager_factory=factory, **kwargs)
+        assert self.grad_averager is not None, "SyncedOptimizer needs gradient averaging"
+        self.grad_averager.tag_fn = self._tag_payload
+        self._publish_tag()
+
+    # ---- construction: honour client_mode (hivemind 1.1.12 overwrites an explicit value) ----
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any):
+        self.client_mode = self._client_mode  # the first factory hivemind calls
+        return super()._make_progress_tracker(target_batch_size, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        return _TaggedStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    # ---- the sync tag ----
+    @property
+    def sync_tag(self) -> SyncTag:
+        return self.local_epoch, self.sync_token
+
+    def _tag_payload(self) -> dict[str, Any]:
+        return {"epoch": self.local_epoch, "token": self.sync_token}
+
+    def _publish_tag(self) -> None:
+        self.state_averager.sync_tag = self.sync_tag
+
+    # ---- epoch transitions ----
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        self._round_tags = None
+        before = self.sync_tag
+        super()._update_global_epoch(grad_scaler)
+        self._after_epoch(before)
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        """hivemind's, remembering the tags gathered by a round that succeeded."""
+        averaged = False
+        try:
+            if maybe_step_control is not None:
+                gathered = maybe_step_control.result(self.averaging_timeout)
+                logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
+                self._load_averaged_gradients_into_optimizer_()
+                averaged = True
+                self._round_tags = {str(peer): parse_tag(value) for peer, value in gathered.items()}
+            else:
+                logger.log(self.status_loglevel, "Skipped averaging: there are no other peers")
+        except BaseException as e:
+            logger.log(self.status_loglevel, f"Averaging gradients failed with {e!r}")
+        if not averaged:
+            self._load_local_gradients_into_optimizer()
+
+    def _after_epoch(self, before: SyncTag) -> None:
+        me = str(self.dht.peer_id)
+        epoch = self.local_epoch
+        tags = self._round_tags
+        self._round_tags = None
+        if tags is None or me not in tags:  # no round: alone, or the round failed
+            self.sync_token = next_token(before[1], epoch, [me])
+            others = self.tracker.global_progress.num_peers > 1
+            if others:
+                self.sync_stats["failed_rounds"] += 1
+                self._must_resync = True  # best effort; the next shared round decides otherwise
+            else:
+                self.sync_stats["solo"] += 1
+            self.in_sync = not others
+        else:
+            reference = choose_reference(tags.values())
+            if tags[me] == before == reference:
+                self.sync_token = next_token(before[1], epoch, tags)
+                self.in_sync = True
+                self.sync_stats["agreed"] += 1
+            else:
+                logger.info(
+                    "trainer state out of sync at epoch %d (ours %s, the group's %s): will download it",
+                    epoch,
+                    before,
+                    reference,
+                )
+                self.sync_token = fresh_token()
+                self.in_sync = False
+                self._must_resync = True
+                self.sync_stats["diverged"] += 1
+        self._publish_tag()
+
+    def _should_load_state_from_peers(self) -> bool:
+        if self._must_resync:
+            self._must_resync = False
+            return True
+        return super()._should_load_state_from_peers()
+
+    # ---- bounded state download ----
+    def load_state_from_peers(self, **kwargs: Any) -> bool:
+        """Download the state (parameters, optimizer statistics, epoch, sync token) from the peer with the
+        highest priority, in one attempt of at most ``load_state_timeout`` seconds. True when loaded; on
+        failure the caller's next step tries again if still out of sync."""
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        sharing = self.state_averager.allow_state_sharing
+        if sharing:
+            self.state_averager.allow_state_sharing = False  # never serve a state we are replacing
+        metadata = None
+        try:
+            with self.tracker.pause_updates():
+                try:
+                    metadata = self.state_averager.load_state_from_peers(
+                        timeout=self.load_state_timeout, **kwargs
+                    )
+                except Exception as e:  # a timeout or a broken peer: try again at a later step
+                    logger.warning("could not load the trainers' state from peers: %r", e)
+                if metadata is not None:
+                    self._adopt(metadata)
+                self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+                if not self.client_mode:
+                    self.state_averager.state_sharing_priority = self.local_epoch
+                    self.grad_averager.state_sharing_priority = self.local_epoch
+                self.grad_averager.reset_accumulated_grads_()
+        finally:
+            if sharing:
+                self.state_averager.allow_state_sharing = True
+        self.sync_stats["resyncs" if metadata is not None else "resync_failures"] += 1
+        return metadata is not None
+
+    def _adopt(self, metadata: dict) -> None:
+        """Take the downloaded state's token (when it describes the downloaded epoch), then hivemind's
+        catch-up: a donor one epoch behind the swarm moves us to the swarm's epoch (a new lineage)."""
+        tag = parse_tag(metadata.get(TAG_KEY))
+        exact = tag is not None and tag[0] == self.local_epoch
+        self.sync_token = tag[1] if exact else fresh_token()
+        global_epoch = self.tracker.global_epoch
+        if global_epoch - 1 <= self.local_epoch < global_epoch:
+            logger.log(self.status_loglevel, f"Catching up with collaboration step {global_epoch}")
+            self.state_averager.local_epoch = global_epoch
+            self.sync_token, exact = fresh_token(), False
+        self.in_sync = exact
+        self._publish_tag()

@@ -1,0 +1,92 @@
+"""The trainers' sync check (``collab_sync``): tags, the reference rule, and what an epoch transition decides."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from echo_p2p.transport.collab_sync import (
+    SyncedOptimizer,
+    choose_reference,
+    fresh_token,
+    next_token,
+    parse_tag,
+)
+
+
+def test_parse_tag_accepts_only_an_epoch_and_a_token() -> None:
+    assert parse_tag({"epoch": 3, "token": "ab"}) == (3, "ab")
+    for bad in (None, [3, "ab"], {"epoch": True, "token": "ab"}, {"epoch": -1, "token": "ab"},
+                {"epoch": 3, "token": ""}, {"epoch": 3, "token": "x" * 65}, {"epoch": 3}):  # fmt: skip
+        assert parse_tag(bad) is None, bad
+
+
+def test_reference_is_highest_epoch_then_majority_then_greatest_token() -> None:
+    assert choose_reference([]) is None and choose_reference([None]) is None
+    assert choose_reference([(3, "a"), (4, "b"), None]) == (4, "b")
+    assert choose_reference([(4, "a"), (4, "b"), (4, "a")]) == (4, "a")
+    assert choose_reference([(4, "a"), (4, "b")]) == choose_reference([(4, "b"), (4, "a")]) == (4, "b")
+
+
+def test_next_token_is_deterministic_and_depends_on_everything() -> None:
+    t = next_token("tok", 5, ["B", "A"])
+    assert t == next_token("tok", 5, ["A", "B"])
+    assert (
+        len(
+            {t, next_token("tok", 6, ["A", "B"]), next_token("tok", 5, ["A"]), next_token("x", 5, ["A", "B"])}
+        )
+        == 4
+    )
+    assert fresh_token() != fresh_token()
+
+
+class _Fake(SyncedOptimizer):
+    """The decision logic of ``SyncedOptimizer`` without hivemind: an epoch, a peer id and a peer count."""
+
+    def __init__(self, peer_id: str, epoch: int, token: str, num_peers: int) -> None:  # no super(): no swarm
+        self.dht = SimpleNamespace(peer_id=peer_id)
+        self.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=num_peers))
+        self.state_averager = SimpleNamespace(local_epoch=epoch, sync_tag=None)
+        self.sync_token, self.in_sync, self._must_resync, self._round_tags = token, False, False, None
+        self.sync_stats = dict(agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0)
+
+    def __del__(self) -> None:  # hivemind's would shut a swarm down
+        pass
+
+    def transition(self, tags: dict | None) -> None:
+        before = self.sync_tag
+        self.state_averager.local_epoch += 1
+        self._round_tags = tags
+        self._after_epoch(before)
+
+
+def test_members_that_agree_take_the_same_new_token_and_the_others_resync() -> None:
+    a, b, c = _Fake("A", 4, "t", 3), _Fake("B", 4, "t", 3), _Fake("C", 4, "other", 3)
+    tags = {"A": (4, "t"), "B": (4, "t"), "C": (4, "other")}
+    for opt in (a, b, c):
+        opt.transition(dict(tags))
+    assert a.sync_token == b.sync_token == next_token("t", 5, ["A", "B", "C"])
+    assert a.in_sync and b.in_sync and not (a._must_resync or b._must_resync)
+    assert not c.in_sync and c._must_resync and c.sync_token not in ("other", a.sync_token)
+    assert c.state_averager.sync_tag == (5, c.sync_token)  # served with the state from now on
+    assert c._should_load_state_from_peers() and not c._must_resync  # one download per detection
+
+
+def test_a_trainer_one_epoch_behind_resyncs_even_with_the_same_token() -> None:
+    a, b = _Fake("A", 5, "t", 2), _Fake("B", 4, "t", 2)
+    tags = {"A": (5, "t"), "B": (4, "t")}
+    a.transition(dict(tags))
+    b.transition(dict(tags))
+    assert a.in_sync and not a._must_resync
+    assert not b.in_sync and b._must_resync
+
+
+def test_a_failed_round_with_peers_resyncs_and_a_lone_trainer_does_not() -> None:
+    failed, alone = _Fake("A", 2, "t", 2), _Fake("A", 2, "t", 1)
+    failed.transition(None)
+    alone.transition(None)
+    assert failed._must_resync and not failed.in_sync and failed.sync_stats["failed_rounds"] == 1
+    assert not alone._must_resync and alone.in_sync and alone.sync_stats["solo"] == 1
+    assert failed.sync_token == alone.sync_token == next_token("t", 3, ["A"])
+    missing = _Fake("A", 2, "t", 2)
+    missing.transition({"B": (2, "t")})  # a gathered dict without us counts as a failed round
+    assert missing._must_resync
