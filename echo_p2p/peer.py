@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts-per-step", type=int, default=None, help="rollout groups per GRPO step (default 16)"
     )
     tr.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=None,
+        help="rollout groups the trainers together accumulate per policy version (default 16)",
+    )
+    tr.add_argument(
         "--publish-interval",
         type=float,
         default=None,
@@ -118,6 +124,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.max_staleness": args.max_staleness,
         "trainer.publish_interval": args.publish_interval,
         "trainer.prompts_per_step": args.prompts_per_step,
+        "trainer.collab.target_batch_size": args.target_batch_size,
         "run.task_options": dict(args.task_option) or None,
         **network_flags(args),
     }
