@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keys of the trainers whose weights this peer accepts (env ECHO_TRUSTED_TRAINERS; docs/trust.md)",
     )
+    inf.add_argument(
+        "--prompts-per-batch", type=int, default=None, help="async: prompts sampled together (default 16)"
+    )
     inf.add_argument("--engine", choices=["transformers", "vllm"], default=None, help="sampling engine")
     inf.add_argument("--quantize", choices=["8bit", "4bit"], default=None, help="load the policy in 8/4-bit")
     inf.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0")
@@ -117,6 +120,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "run.max_new_tokens": args.max_new_tokens,
         "inference.trusted_trainers": args.trusted_trainers,
         "inference.engine": args.engine,
+        "inference.prompts_per_batch": args.prompts_per_batch,
         "trainer.checkpoint_dir": args.checkpoint_dir,
         "trainer.resume": args.resume,
         "trainer.max_steps": args.max_steps,

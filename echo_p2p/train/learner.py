@@ -29,13 +29,14 @@ from echo_p2p.train.memory import memory_token_limit
 
 
 def _forward_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int | None = None
 ) -> torch.Tensor:
-    """Logits of the last ``keep`` positions when the model can compute only those, else of all."""
+    """Logits of the last ``keep`` positions when the model can compute only those, else (or with ``keep``
+    None) of all positions."""
     kwargs: dict[str, Any] = {"attention_mask": attention_mask}
     if hasattr(getattr(model, "config", None), "use_cache"):
         kwargs["use_cache"] = False  # a transformers model: no KV cache in a training forward
-    if keep < input_ids.shape[1] and _takes_logits_to_keep(type(model)):
+    if keep is not None and keep < input_ids.shape[1] and _takes_logits_to_keep(type(model)):
         kwargs["logits_to_keep"] = keep
     out = model(input_ids, **kwargs)
     return out.logits if hasattr(out, "logits") else out
