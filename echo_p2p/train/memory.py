@@ -1,8 +1,8 @@
 """Sizing micro-batches by memory: the bytes one token costs in a training forward/backward, and the
 token limit per micro-batch that a memory budget (``GRPOConfig.micro_batch_memory_mb``) allows.
 
-Owned here: ``bytes_per_token`` (an estimate from a model's config: its vocabulary, depth and widths)
-and ``memory_token_limit`` (budget / bytes per token). Called by ``learner.Learner`` once per model. Pure
+Owned here: ``bytes_per_token`` (an estimate from a model's config: its vocabulary, depth and widths),
+``fixed_bytes`` and ``memory_token_limit`` ((budget - fixed) / bytes per token). Called by ``learner.Learner`` once per model. Pure
 arithmetic on config attributes: imports no torch, runs no model.
 
 What a token costs during ``Learner.compute_gradients`` (float32 activations, measured with peak RSS):
@@ -12,8 +12,9 @@ What a token costs during ``Learner.compute_gradients`` (float32 activations, me
   (SmolLM2) is 192 KiB per copy per token.
 - **decoder layers**: what autograd keeps for the backward, ``HIDDEN_FLOATS x hidden + MLP_FLOATS x
   intermediate`` floats per layer (norms, q/k/v, attention output, residuals; the gated MLP's gate, up,
-  activation and product). SmolLM2-135M (30 layers, hidden 576, MLP 1536) keeps ~1.4 MiB per token here:
-  more than its logits. Attention scores are not counted: SDPA's kernels do not keep ``L x L`` per head.
+  activation and product). SmolLM2-135M (30 layers, hidden 576, MLP 1536): 1.4 MiB per token estimated,
+  ~1.3 MiB measured, more than its logits. Attention scores are not counted: SDPA's kernels do not keep
+  ``L x L`` per head, and rows are short (long rows with the eager attention would exceed the estimate).
 - **fixed per pass** (``fixed_bytes``): the dense weight gradients of the embedding and the output
   projection before they are added to ``.grad`` (2 x 108 MiB for SmolLM2), taken off the budget first.
 
@@ -21,8 +22,9 @@ Logits are counted for every token although a transformers model computes them o
 that predict completion tokens (``learner``'s ``logits_to_keep``): rows with long prompts and short
 completions then use less than the budget, rows that are mostly completion use about all of it.
 
-The estimate is deliberately a little above what was measured (see ``tests/unit/train/test_memory.py``),
-so that a micro-batch sized by it stays within its budget. Tokens are padded tokens (rows x width), the
+The estimate is deliberately a little above what was measured (a 50k-vocabulary model in
+``tests/unit/train/test_memory.py``: 395 KiB per token measured, 404 estimated; SmolLM2 above), so that a
+micro-batch sized by it stays within its budget. Tokens are padded tokens (rows x width), the
 unit of ``batching.split_micro_batches``. Parameters, gradients and optimizer state are not activations:
 they are outside the budget.
 """
