@@ -244,7 +244,7 @@ def trainer_logprobs(learner: Learner, groups: list) -> tuple[torch.Tensor, torc
     batch = learner.build_batch(scored)
     ours, theirs = [], []
     with torch.no_grad():
-        for mb in split_micro_batches(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+        for mb in split_micro_batches(batch, cfg.micro_batch_size, learner.max_tokens_per_micro_batch):
             logits = _forward_logits(learner.model, mb.input_ids, mb.attention_mask)
             logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
             del logits

@@ -282,7 +282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="preset ('tiny', 'smollm2') or a local model directory")
     p.add_argument("--group-size", type=int, default=16, help="completions per prompt (G)")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per step")
-    p.add_argument("--lr", type=float, default=DEFAULT_GRPO["lr"], help="AdamW learning rate")
+    p.add_argument(
+        "--lr", type=float, default=None, help="AdamW learning rate (default: the preset's, else 2e-3)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling (and loss) temperature")
     p.add_argument("--micro-batch-size", type=int, default=DEFAULT_GRPO["micro_batch_size"])
     p.add_argument("--seed", type=int, default=0)
@@ -299,7 +301,7 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
         task_options=dict(args.task_option),
         group_size=args.group_size,
         prompts_per_step=args.prompts_per_step,
-        grpo=dict(lr=args.lr, temperature=args.temperature, micro_batch_size=args.micro_batch_size),
+        grpo=dict(lr=_lr(args), temperature=args.temperature, micro_batch_size=args.micro_batch_size),
         steps=args.steps or None,
         duration=args.duration,
         seed=args.seed,
@@ -308,6 +310,15 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
         name=args.name,
         log_every=args.log_every,
     )
+
+
+def _lr(args: argparse.Namespace) -> float:
+    """``--lr``, else the preset's learning rate (``PRESET_TRAINER_DEFAULTS``), else ``DEFAULT_GRPO``'s."""
+    if args.lr is not None:
+        return args.lr
+    from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS
+
+    return PRESET_TRAINER_DEFAULTS.get(args.model, {}).get("trainer.grpo.lr", DEFAULT_GRPO["lr"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from echo_p2p.ml.engine import SamplingParams
-from echo_p2p.ml.models import ModelSpec
+from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
@@ -298,6 +298,21 @@ class PeerConfig(StrictModel):
     @classmethod
     def _run_id(cls, value: str) -> str:
         return validate_run_id(value)
+
+    @model_validator(mode="after")
+    def _preset_defaults(self) -> PeerConfig:
+        """The model preset's trainer settings (``PRESET_TRAINER_DEFAULTS``, e.g. SmolLM2's lr 1e-6) replace
+        the defaults of the fields that the given data leaves unset; a field given anywhere always wins."""
+        for dotted, value in PRESET_TRAINER_DEFAULTS.get(self.run.model.preset or "", {}).items():
+            *parents, last = dotted.split(".")
+            node: BaseModel = self
+            given = True
+            for name in parents:
+                given = given and name in node.model_fields_set
+                node = getattr(node, name)
+            if not (given and last in node.model_fields_set):
+                object.__setattr__(node, last, value)
+        return self
 
     @model_validator(mode="after")
     def _ttl(self) -> PeerConfig:

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keys of the trainers whose weights this peer accepts (env ECHO_TRUSTED_TRAINERS; docs/trust.md)",
     )
+    inf.add_argument(
+        "--prompts-per-batch", type=int, default=None, help="async: prompts sampled together (default 16)"
+    )
     inf.add_argument("--engine", choices=["transformers", "vllm"], default=None, help="sampling engine")
     inf.add_argument("--quantize", choices=["8bit", "4bit"], default=None, help="load the policy in 8/4-bit")
     inf.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0")
@@ -72,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=None, help="learning rate of the trainers' AdamW")
     tr.add_argument(
         "--prompts-per-step", type=int, default=None, help="rollout groups per GRPO step (default 16)"
+    )
+    tr.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=None,
+        help="rollout groups the trainers together accumulate per policy version (default 16)",
     )
     tr.add_argument(
         "--publish-interval",
@@ -111,6 +120,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "run.max_new_tokens": args.max_new_tokens,
         "inference.trusted_trainers": args.trusted_trainers,
         "inference.engine": args.engine,
+        "inference.prompts_per_batch": args.prompts_per_batch,
         "trainer.checkpoint_dir": args.checkpoint_dir,
         "trainer.resume": args.resume,
         "trainer.max_steps": args.max_steps,
@@ -118,6 +128,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.max_staleness": args.max_staleness,
         "trainer.publish_interval": args.publish_interval,
         "trainer.prompts_per_step": args.prompts_per_step,
+        "trainer.collab.target_batch_size": args.target_batch_size,
         "run.task_options": dict(args.task_option) or None,
         **network_flags(args),
     }

@@ -1,7 +1,8 @@
 """Policy loading: the "tiny" and "smollm2" presets, local checkpoints and GGUF files, optional bitsandbytes
 8-bit / 4-bit quantisation, and loading new full-precision weights into a (possibly quantised) model.
 
-Owned here: ``ModelSpec`` (what model a peer runs), ``load_policy(spec) -> (model, tokenizer)``,
+Owned here: ``ModelSpec`` (what model a peer runs), ``PRESET_TRAINER_DEFAULTS`` (a preset's learning rate),
+``load_policy(spec) -> (model, tokenizer)``,
 ``build_tiny_policy`` (deterministic from a seed), ``save_policy`` (a directory ``from_pretrained`` loads),
 ``quantize_linear_layers_`` and ``load_weights_`` (re-quantises bnb layers from full-precision tensors).
 Called by the trainer (full precision), the inference peer (often quantised) and the engines.
@@ -40,6 +41,15 @@ TINY_ARCH: dict[str, Any] = dict(
     tie_word_embeddings=True,
     max_position_embeddings=2048,
 )
+
+#: Trainer settings a preset brings (dotted ``PeerConfig`` fields), applied by ``echo_p2p.config`` to the
+#: fields that the YAML file, the environment and the flags leave unset. The tiny preset learns from a
+#: random init at the trainer defaults (lr 2e-3); SmolLM2-135M-Instruct is pretrained and would be wrecked
+#: by that: it gets the usual RL fine-tuning rate of a 0.1-7B LM.
+PRESET_TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "smollm2": {"trainer.collab.lr": 1e-6, "trainer.grpo.lr": 1e-6},
+}
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -348,6 +349,7 @@ class TrainerPeer(BasePeer):
             "publish_s_total": round(self.publish_seconds, 3),
             "update_s_total": round(self.update_seconds, 3),
             "publisher": self.is_publisher,
+            "peak_rss_mib": _peak_rss_mib(),
         }
         if self.buffer is not None:
             stats = self.buffer.stats().as_dict()
@@ -382,3 +384,13 @@ class TrainerPeer(BasePeer):
                 closer()
             except Exception:
                 logger.exception("%s error stopping the %s", self.prefix(), name)
+
+
+def _peak_rss_mib() -> float | None:
+    """This process's peak resident memory so far (MiB), or None where ``resource`` is missing."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere

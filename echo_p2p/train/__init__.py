@@ -3,6 +3,8 @@
 - ``grpo``: advantages, per-token log-probs, the clipped GRPO loss (pure functions).
 - ``batching``: scored groups -> right-padded tensors and micro-batches.
 - ``buffer``: ``ScoredGroup`` and ``ReplayBuffer`` (staleness policy); pure Python, no torch.
+- ``memory``: bytes per token of a forward/backward from a model's config; the micro-batch token limit of
+  a memory budget (``GRPOConfig.micro_batch_memory_mb``).
 - ``learner``: ``GRPOConfig`` and ``Learner`` (forward/backward with gradient accumulation).
 
 Used by the trainer peer. Names are re-exported lazily, so ``import echo_p2p.train.buffer`` (the trainer's

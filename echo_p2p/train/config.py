@@ -73,6 +73,16 @@ class GRPOConfig(BaseModel):
         ge=1,
         description="Most padded tokens (rows x width) per forward/backward pass; None: no token limit.",
     )
+    micro_batch_memory_mb: float | None = Field(
+        default=1024.0,
+        gt=0,
+        description="Memory budget (MiB) of the activations of one forward/backward pass (logits, their "
+        "gradient, what the decoder layers keep for the backward). The learner turns it into a limit of "
+        "padded tokens per micro-batch from the model's vocabulary, depth and widths "
+        "(``echo_p2p.train.memory``); the smallest of this, ``max_tokens_per_micro_batch`` and "
+        "``micro_batch_size`` applies. 1024 MiB: 465 tokens of SmolLM2-135M (49k vocabulary, 30 layers), "
+        "no limit in practice for the tiny model. None: no memory-derived limit.",
+    )
     max_grad_norm: float | None = Field(
         default=1.0,
         gt=0,

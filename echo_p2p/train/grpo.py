@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -64,29 +64,100 @@ def group_advantages(rewards: Sequence[float], scale_rewards: bool = True, eps: 
     return [c / (std + eps) for c in centred]
 
 
+#: Rows of logits handled at once by ``token_logprobs``' forward and backward: bounds their float32
+#: temporaries to about ``_CHUNK_ELEMENTS`` elements (16 MiB) whatever the batch; a small vocabulary
+#: (the tiny model) takes its whole batch in one chunk.
+_CHUNK_ELEMENTS = 1 << 22
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-prob of each token of ``input_ids`` under ``softmax(logits / temperature)`` of the position before.
 
-    :param logits: ``[B, L, V]`` causal-LM logits (``logits[:, t]`` predicts token ``t + 1``)
+    :param logits: ``[B, K, V]`` causal-LM logits of the **last** ``K`` positions of ``input_ids``
+        (``K = L``: all of them, the usual case; a model called with ``logits_to_keep=K`` gives fewer).
+        ``logits[:, j]`` is position ``L - K + j``, which predicts token ``L - K + j + 1``.
     :param input_ids: ``[B, L]``
     :param temperature: must equal the sampling temperature, since the behaviour log-probs were computed
         on ``softmax(logits / temperature)``; otherwise every ratio is off even for on-policy data.
-    :returns: ``[B, L]`` float32, aligned with ``input_ids``; column 0 (no previous position) is 0.
+    :returns: ``[B, L]`` float32, aligned with ``input_ids``; column 0 (no previous position) and the
+        columns that no given logits predict (``t <= L - K``) are 0.
 
-    Computed in float32 as ``logit[token] - logsumexp(logits)`` (no full log-softmax tensor kept).
+    Computed in float32 as ``logit[token] - logsumexp(logits)``, by chunks of rows, with a hand-written
+    backward (``(onehot - softmax) / temperature``): the only full-vocabulary tensors alive are the
+    logits themselves (kept for the backward) and, during the backward, their gradient. Autograd through
+    ``logsumexp`` and ``gather`` held up to four logits-sized tensors at once.
     Sampling-time logits processors other than temperature (top-k, top-p, repetition penalty) change the
     behaviour distribution too; samplers that use them must report log-probs of the distribution they
     actually sampled from, and the trainer's ratio is then only approximately right.
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 (greedy decoding has no log-probs to learn from)")
-    shifted = logits[:, :-1, :].float()
-    if temperature != 1.0:
-        shifted = shifted / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    chosen = shifted.gather(-1, targets).squeeze(-1)
-    logp = chosen - torch.logsumexp(shifted, dim=-1)
-    return torch.nn.functional.pad(logp, (1, 0), value=0.0)
+    batch, length = input_ids.shape
+    kept = logits.shape[1]
+    if logits.dim() != 3 or logits.shape[0] != batch or not 1 <= kept <= length:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not cover the last positions of {batch}x{length} ids"
+        )
+    # Position j of ``logits`` predicts token L - K + j + 1; the last position predicts nothing (its
+    # target is a placeholder whose log-prob is dropped, so its gradient is 0).
+    targets = torch.zeros((batch, kept), dtype=torch.long, device=input_ids.device)
+    targets[:, :-1] = input_ids[:, length - kept + 1 :]
+    logp = _TokenLogProbs.apply(logits, targets, float(temperature))[:, :-1]
+    return torch.nn.functional.pad(logp, (length - kept + 1, 0), value=0.0)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """``log_softmax(logits / T)`` at ``targets``, chunked over rows; saves the logits and the log-normaliser."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)  # a view for a contiguous model output
+        flat_targets = targets.reshape(-1, 1)
+        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        out = torch.empty_like(lse)
+        for rows in _row_chunks(flat.shape[0], vocab):
+            scaled = _scaled(flat[rows], temperature)
+            lse[rows] = torch.logsumexp(scaled, dim=-1)
+            out[rows] = scaled.gather(1, flat_targets[rows]).squeeze(1) - lse[rows]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return out.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        logits, targets, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        flat_targets = targets.reshape(-1, 1)
+        g = grad_out.reshape(-1, 1).to(torch.float32)
+        grad = torch.empty(flat.shape, dtype=logits.dtype, device=logits.device)
+        in_place = grad.dtype == torch.float32
+        for rows in _row_chunks(flat.shape[0], vocab):
+            # d logp / d logits = (onehot(target) - softmax(logits / T)) / T, times the incoming gradient
+            chunk = grad[rows] if in_place else torch.empty(flat[rows].shape, device=grad.device)
+            torch.sub(_scaled(flat[rows], temperature), lse[rows].unsqueeze(1), out=chunk)
+            chunk.exp_().mul_(-g[rows])
+            chunk.scatter_add_(1, flat_targets[rows], g[rows])
+            if temperature != 1.0:
+                chunk.div_(temperature)
+            if not in_place:
+                grad[rows] = chunk
+        return grad.view(logits.shape), None, None
+
+
+def _row_chunks(num_rows: int, vocab: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
+def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``chunk / temperature`` in float32 (no copy when it already is float32 and T = 1)."""
+    chunk = chunk.float()
+    return chunk / temperature if temperature != 1.0 else chunk
 
 
 def grpo_loss(

@@ -2,7 +2,9 @@
 
 Owned here: ``GRPOConfig`` (every knob of the loss and of the micro-batching) and ``Learner``, which builds
 the batch, runs forward/backward over micro-batches with gradient accumulation and clips the gradient
-norm. Called by the trainer peer with groups drawn from ``buffer.ReplayBuffer``. Must not import hivemind
+norm. Micro-batches are bounded by rows, by padded tokens and by a memory budget that ``memory`` turns
+into tokens from the model's config; a transformers model computes logits only for the positions that
+predict completion tokens (``logits_to_keep``), not for the whole prompt. Called by the trainer peer with groups drawn from ``buffer.ReplayBuffer``. Must not import hivemind
 or know about the network: the optimizer (a plain torch optimizer or ``hivemind.Optimizer``) is owned by
 the caller, which either calls ``optimizer.step()`` itself after ``compute_gradients`` or hands it to
 ``step``. Works with any module whose ``model(input_ids, attention_mask=...)`` returns ``.logits``
@@ -11,6 +13,8 @@ the caller, which either calls ``optimizer.step()`` itself after ``compute_gradi
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,16 +25,40 @@ from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
+from echo_p2p.train.memory import memory_token_limit
 
 
 def _forward_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int | None = None
 ) -> torch.Tensor:
+    """Logits of the last ``keep`` positions when the model can compute only those, else (or with ``keep``
+    None) of all positions."""
     kwargs: dict[str, Any] = {"attention_mask": attention_mask}
     if hasattr(getattr(model, "config", None), "use_cache"):
         kwargs["use_cache"] = False  # a transformers model: no KV cache in a training forward
+    if keep is not None and keep < input_ids.shape[1] and _takes_logits_to_keep(type(model)):
+        kwargs["logits_to_keep"] = keep
     out = model(input_ids, **kwargs)
     return out.logits if hasattr(out, "logits") else out
+
+
+@functools.cache
+def _takes_logits_to_keep(model_type: type) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _positions_to_keep(mb: Batch) -> int:
+    """Logit positions that predict completion tokens: from the one before the earliest completion token
+    of the micro-batch to the end (position ``t - 1`` predicts token ``t``)."""
+    width = mb.input_ids.shape[1]
+    has_completion = mb.completion_mask.bool().any(dim=1)
+    if not bool(has_completion.any()):
+        return 1
+    first = int(mb.completion_mask[has_completion].argmax(dim=1).min())
+    return width - first + 1
 
 
 class Learner:
@@ -51,6 +79,19 @@ class Learner:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
+        self.max_tokens_per_micro_batch = self.token_limit(model, config)
+
+    @staticmethod
+    def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
+        """Padded tokens per micro-batch: the smaller of ``max_tokens_per_micro_batch`` and what
+        ``micro_batch_memory_mb`` allows for ``model`` (``memory.memory_token_limit`` of its config);
+        None when neither is set. A model without a config (a plain module) gets no memory-derived limit."""
+        limits = [config.max_tokens_per_micro_batch]
+        model_config = getattr(model, "config", None)
+        if config.micro_batch_memory_mb is not None and getattr(model_config, "vocab_size", None):
+            limits.append(memory_token_limit(model_config, config.micro_batch_memory_mb))
+        given = [limit for limit in limits if limit is not None]
+        return min(given) if given else None
 
     @property
     def device(self) -> torch.device:
@@ -83,7 +124,7 @@ class Learner:
         if zero_grad:
             self.model.zero_grad(set_to_none=True)
         batch = self.build_batch(groups)
-        micro = split_micro_batches(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        micro = split_micro_batches(batch, cfg.micro_batch_size, self.max_tokens_per_micro_batch)
         normalizer = float(max(batch.num_tokens if cfg.loss_agg == "token_mean" else batch.num_sequences, 1))
         device = self.device
 
@@ -91,13 +132,14 @@ class Learner:
         parts: list[dict[str, float]] = []
         for mb in micro:
             mb = mb.to(device)
-            logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask)
+            keep = _positions_to_keep(mb)
+            logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
             logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
             del logits
             ref_logp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask)
+                    ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
                     ref_logp = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
                     del ref_logits
             loss, mb_stats = grpo_loss(
@@ -130,6 +172,7 @@ class Learner:
             grad_norm=grad_norm,
             num_groups=float(len(groups)),
             num_micro_batches=float(len(micro)),
+            max_micro_batch_tokens=float(max((m.input_ids.numel() for m in micro), default=0)),
             reward_mean=float(batch.rewards.mean()) if batch.num_sequences else 0.0,
             reward_std=float(batch.rewards.std(unbiased=False)) if batch.num_sequences else 0.0,
             frac_zero_adv_groups=_frac_zero_adv_groups(batch, len(groups)),

@@ -62,3 +62,36 @@ def test_local_swarm_hands_task_options_on_as_written_and_refuses_bad_ones(capsy
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--task-option", "max_n"])
     assert exc.value.code == 2 and "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_smollm2_preset_brings_its_learning_rate_and_given_values_win(tmp_path):
+    base = ["--role", "trainer", "--run-id", "r", "--initial-peers", MADDR]
+    tiny = parse_config(base, environ={})
+    smol = parse_config([*base, "--model", "smollm2"], environ={})
+    assert (tiny.trainer.collab.lr, tiny.trainer.grpo.lr) == (2e-3, 2e-3)
+    assert (smol.trainer.collab.lr, smol.trainer.grpo.lr) == (1e-6, 1e-6)
+    # nothing else of the trainer's defaults moves
+    assert smol.trainer.collab.target_batch_size == tiny.trainer.collab.target_batch_size == 16
+    assert smol.trainer.grpo.micro_batch_size == tiny.trainer.grpo.micro_batch_size
+    assert parse_config([*base, "--model", "smollm2", "--lr", "3e-6"], environ={}).trainer.collab.lr == 3e-6
+    yaml = tmp_path / "trainer.yaml"
+    yaml.write_text("trainer:\n  collab:\n    lr: 5.0e-6\n    target_batch_size: 16\n")
+    given = parse_config([*base, "--model", "smollm2", "--config", str(yaml)], environ={})
+    assert (given.trainer.collab.lr, given.trainer.grpo.lr) == (5e-6, 1e-6)
+
+
+def test_local_swarm_gives_smollm2_peers_small_steps_that_peer_args_override(tmp_path):
+    base = ["--role", "trainer", "--run-id", "r", "--initial-peers", MADDR, "--model", "smollm2"]
+    smol = LocalSwarm(LocalSwarmConfig(model="smollm2", workdir=str(tmp_path)))._model_flags()
+    config = parse_config([*base, *smol], environ={})
+    assert (config.trainer.prompts_per_step, config.trainer.collab.target_batch_size) == (4, 4)
+    assert config.inference.prompts_per_batch == 4
+    config = parse_config([*base, *smol, "--prompts-per-step", "8"], environ={})
+    assert config.trainer.prompts_per_step == 8
+    assert LocalSwarm(LocalSwarmConfig(model="tiny", workdir=str(tmp_path)))._model_flags() == []
+
+
+def test_colocated_smollm2_takes_the_preset_learning_rate():
+    assert config_from_args(parse_args(["--model", "smollm2"])).grpo.lr == 1e-6
+    assert config_from_args(parse_args([])).grpo.lr == 2e-3
+    assert config_from_args(parse_args(["--model", "smollm2", "--lr", "1e-5"])).grpo.lr == 1e-5

@@ -43,6 +43,54 @@ def test_token_logprobs_align_with_input_ids_and_use_temperature() -> None:
         token_logprobs(logits, ids, temperature=0.0)
 
 
+def _reference_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Plain autograd: full log-softmax, gather (what ``token_logprobs`` must equal)."""
+    logp = torch.log_softmax(logits[:, :-1].double() / temperature, dim=-1)
+    chosen = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(chosen, (1, 0), value=0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_gradient_equals_autograd_through_log_softmax(monkeypatch, temperature) -> None:
+    """The hand-written backward is exact, also when the rows are split into several chunks."""
+    import echo_p2p.train.grpo as grpo
+
+    monkeypatch.setattr(grpo, "_CHUNK_ELEMENTS", 3 * 11)  # 3 rows per chunk: 4 chunks for 2 x 5 rows
+    torch.manual_seed(1)
+    logits = (3 * torch.randn(2, 5, 11)).requires_grad_(True)
+    ids = torch.randint(0, 11, (2, 5))
+    weights = torch.randn(2, 5)
+    out = token_logprobs(logits, ids, temperature)
+    (out * weights).sum().backward()
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref = _reference_logprobs(ref_logits, ids, temperature)
+    (ref * weights.double()).sum().backward()
+    torch.testing.assert_close(out.double(), ref.detach(), atol=1e-6, rtol=1e-6)  # float32 vs float64
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, atol=1e-6, rtol=0)
+
+
+def test_token_logprobs_of_the_last_positions_only() -> None:
+    """Logits of the last K positions (a model called with logits_to_keep=K) give the same log-probs
+    where they reach, and 0 before; bf16 logits are computed in float32 and get a bf16 gradient."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 6, 9)
+    ids = torch.randint(0, 9, (3, 6))
+    full = token_logprobs(logits, ids)
+    for keep in (1, 2, 4, 6):
+        part = token_logprobs(logits[:, -keep:], ids)
+        assert part.shape == ids.shape
+        covered = 6 - keep + 1  # first column predicted by the kept logits
+        torch.testing.assert_close(part[:, covered:], full[:, covered:], atol=0, rtol=0)
+        assert torch.all(part[:, :covered] == 0)
+    with pytest.raises(ValueError):
+        token_logprobs(torch.randn(3, 7, 9), ids)  # more positions than tokens
+    half = logits.bfloat16().requires_grad_(True)
+    out = token_logprobs(half, ids)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert half.grad.dtype == torch.bfloat16 and torch.isfinite(half.grad).all()
+
+
 # One row, position 0 is the prompt; five completion tokens cover every branch of the clip.
 _RATIOS = [1.0, 1.1, 1.5, 0.5, 1.5, 0.5]
 _ADV = [0.0, 1.0, 1.0, -1.0, -1.0, 2.0]

@@ -163,3 +163,32 @@ def test_zero_advantage_groups_are_reported(tiny_model, scored_group) -> None:
     stats = Learner(tiny_model(), GRPOConfig()).compute_gradients(groups)
     assert stats["frac_zero_adv_groups"] == 0.5
     assert stats["reward_mean"] == 0.75
+
+
+class _AllLogits(torch.nn.Module):
+    """The same model without a ``logits_to_keep`` argument: the learner gets every position's logits."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def test_logits_only_where_completions_are_predicted_give_the_same_gradient(tiny_model, scored_group) -> None:
+    model = tiny_model()
+    groups = [
+        scored_group([2, 3, 4, 5, 6], [[7, 8], [9], [10, 11, 12]], [1.0, 0.0, 0.5]),
+        scored_group([3, 4, 5, 6], [[7], [8, 9, 10, 11], [12, 13]], [0.0, 1.0, 0.0]),
+    ]
+    widths: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    cfg = GRPOConfig(max_grad_norm=None, micro_batch_size=None)
+    kept = Learner(model, cfg).compute_gradients(groups)
+    hook.remove()
+    g_kept = _grads(model)
+    assert widths == [8 - 4 + 1]  # rows of width 8, earliest completion token at 4: positions 3..7
+    every = Learner(_AllLogits(model), cfg).compute_gradients(groups)
+    assert every["loss"] == pytest.approx(kept["loss"], abs=1e-6)
+    _assert_same_grads({f"inner.{k}": v for k, v in g_kept.items()}, _grads(_AllLogits(model)))
