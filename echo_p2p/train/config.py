@@ -89,6 +89,15 @@ class GRPOConfig(BaseModel):
         description="Clip the total gradient norm to this after accumulation; None: no clipping (the norm "
         "is still reported).",
     )
+    policy_precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="The weights the loss is computed with: fp32 uses the model's own weights; bf16 / fp16 "
+        "rounds them to that dtype for the forward and backward (values kept in float32, so the compute "
+        "is the same) and the optimizer updates the fp32 master weights with that gradient (straight "
+        "through). A trainer peer sets it to the dtype its inference peers hold (`trainer.encoding`), so "
+        "that its policy is exactly theirs: with fp32 master weights at lr 1e-6 most updates stay below "
+        "bf16's resolution and the receivers' cast lags the trainer (docs/protocol.md section 3.6).",
+    )
     pad_token_id: int = Field(
         default=0, ge=0, description="Token id written in padding positions (never attended, never scored)."
     )

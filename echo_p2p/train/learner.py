@@ -13,10 +13,11 @@ the caller, which either calls ``optimizer.step()`` itself after ``compute_gradi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +62,9 @@ def _positions_to_keep(mb: Batch) -> int:
     return width - first + 1
 
 
+_PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class Learner:
     """Owns ``model`` (and an optional frozen ``ref_model`` for the KL term) and computes GRPO gradients.
 
@@ -92,6 +96,27 @@ class Learner:
             limits.append(memory_token_limit(model_config, config.micro_batch_memory_mb))
         given = [limit for limit in limits if limit is not None]
         return min(given) if given else None
+
+    @contextlib.contextmanager
+    def policy_weights(self) -> Iterator[None]:
+        """While open, the model's float parameters hold their values rounded to ``policy_precision`` (in
+        their own dtype); the fp32 master values are put back on exit, gradients are left as computed."""
+        dtype = _PRECISIONS[self.config.policy_precision]
+        if dtype is None:
+            yield
+            return
+        masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.is_floating_point() and p.dtype != dtype:
+                        masters.append((p, p.detach().clone()))
+                        p.copy_(p.to(dtype))
+            yield
+        finally:
+            with torch.no_grad():
+                for p, master in masters:
+                    p.copy_(master)
 
     @property
     def device(self) -> torch.device:
@@ -130,35 +155,36 @@ class Learner:
 
         total_loss = 0.0
         parts: list[dict[str, float]] = []
-        for mb in micro:
-            mb = mb.to(device)
-            keep = _positions_to_keep(mb)
-            logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
-            logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
-            del logits
-            ref_logp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
-                    ref_logp = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
-                    del ref_logits
-            loss, mb_stats = grpo_loss(
-                logp,
-                mb.behaviour_logprobs,
-                mb.advantages,
-                mb.completion_mask,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                tis_cap=cfg.tis_cap,
-                ref_logprobs=ref_logp,
-                kl_beta=cfg.kl_beta,
-                agg=cfg.loss_agg,
-                normalizer=normalizer,
-            )
-            if loss.requires_grad:
-                loss.backward()
-            total_loss += float(loss.detach())
-            parts.append(mb_stats)
+        with self.policy_weights():
+            for mb in micro:
+                mb = mb.to(device)
+                keep = _positions_to_keep(mb)
+                logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
+                logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
+                del logits
+                ref_logp = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
+                        ref_logp = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
+                        del ref_logits
+                loss, mb_stats = grpo_loss(
+                    logp,
+                    mb.behaviour_logprobs,
+                    mb.advantages,
+                    mb.completion_mask,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    tis_cap=cfg.tis_cap,
+                    ref_logprobs=ref_logp,
+                    kl_beta=cfg.kl_beta,
+                    agg=cfg.loss_agg,
+                    normalizer=normalizer,
+                )
+                if loss.requires_grad:
+                    loss.backward()
+                total_loss += float(loss.detach())
+                parts.append(mb_stats)
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = 0.0

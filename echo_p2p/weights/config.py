@@ -22,7 +22,7 @@ class EncodingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     encoding: StreamEncoding = Field(
-        default="int8-delta",
+        default="auto",
         description="fp32 / bf16 / fp16 / int8: one full snapshot per version; int8-delta: 8-bit deltas with "
         "error feedback + fp32 keyframes; patch: receivers hold the weights cast to `serving_dtype` exactly, "
         "each version a lossless patch of the values whose bits changed (or a keyframe when smaller); auto: "
@@ -32,6 +32,13 @@ class EncodingConfig(BaseModel):
         default="bf16",
         description="patch / auto: the 16-bit dtype receivers hold (bf16: fp32's range, 8 significant bits; "
         "fp16: 11 significant bits, 8x closer to the trainer's fp32 policy, values beyond +-65504 refused)",
+    )
+    start_on_serving_grid: bool = Field(
+        default=True,
+        description="bf16 / fp16 / patch / auto: a fresh run first rounds the trainer's fp32 weights to the "
+        "dtype receivers hold, so that version 0 is exact and no value starts on a rounding midpoint (a "
+        "checkpoint stored at higher precision than the serving dtype can have many: the first update would "
+        "then break all those ties in the direction of the update, a sign step of half a bf16 unit)",
     )
     chunk_size: int = Field(
         default=DEFAULT_CHUNK_SIZE,
@@ -51,6 +58,16 @@ class EncodingConfig(BaseModel):
         description="int8-delta: delta against the receivers' reconstruction (True) or the previous true "
         "weights (False, drifts; for comparison only)",
     )
+
+    @property
+    def receiver_dtype(self) -> str | None:
+        """The 16-bit dtype receivers hold ('bf16' / 'fp16'), or None when they hold fp32 (fp32, int8,
+        int8-delta)."""
+        if self.encoding in ("bf16", "fp16"):
+            return self.encoding
+        if self.encoding in ("patch", "auto"):
+            return self.serving_dtype
+        return None
 
     @field_validator("blocksize")
     @classmethod

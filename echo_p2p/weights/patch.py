@@ -1,7 +1,7 @@
 """Lossless patches at serving precision: the 16-bit values that changed between two versions of the policy.
 
 Owned here: the byte format of a ``bf16-patch`` / ``fp16-patch`` payload, building one from the 16-bit state
-receivers hold and the trainer's new weights cast to it (`diff_bf16`, `encode_patch`), parsing it back from bytes with every count and
+receivers hold and the trainer's new weights cast to it (`diff16`, `encode_patch`), parsing it back from bytes with every count and
 position checked before anything is touched (`decode_patch`), and applying it in place (`apply_patch_`).
 Called only by `echo_p2p.weights.codec`. Pure ML on CPU tensors and numpy; must not import hivemind.
 
@@ -44,8 +44,8 @@ MODE_SAME, MODE_SPARSE, MODE_DENSE = 0, 1, 2
 #: Above this share of changed values a tensor is sent dense (6 bytes per change before compression
 #: against 2 per value).
 SPARSE_MAX_DENSITY = 1 / 3
-#: zstandard level: measured in `benchmarks/weights_codec.py` (higher levels shrink patches by a few
-#: percent at several times the encode time).
+#: zstandard level. On a SmolLM2 patch (0.53 M changed values) levels 1 / 3 / 9 / 19 gave 0.748 / 0.740 /
+#: 0.718 / 0.670 MiB in 0.013 / 0.016 / 0.065 / 0.76 s; compression is ~5% of the encode (docs/scaling.md).
 ZSTD_LEVEL = 3
 #: Tensors at or above this many values cannot be patched sparsely (gaps are uint32).
 MAX_SPARSE_NUMEL = 1 << 32

@@ -51,6 +51,20 @@ def dynamic_code() -> torch.Tensor:
     return create_dynamic_map(signed=True).to(torch.float32)
 
 
+def round_to_serving_grid_(params: Iterator[torch.Tensor], dtype: str) -> int:
+    """Round float tensors in place to the values of a serving dtype ('bf16' / 'fp16'), keeping their own
+    dtype; returns how many values moved. Run on a trainer's fresh weights (``start_on_serving_grid``)."""
+    moved = 0
+    with torch.no_grad():
+        for p in params:
+            if not p.is_floating_point() or p.dtype == SERVING_DTYPES[dtype]:
+                continue
+            rounded = p.to(SERVING_DTYPES[dtype]).to(p.dtype)
+            moved += int((rounded != p).sum())
+            p.copy_(rounded)
+    return moved
+
+
 def decoded_dtype(info: ParamInfo, encoding: str) -> torch.dtype:
     """Dtype of a decoded tensor: bf16 / fp16 for the bf16 / fp16 encodings, float32 for the others (an
     int8-delta of an auto stream applies to a 16-bit state: see ``VersionAssembler``)."""

@@ -192,3 +192,32 @@ def test_logits_only_where_completions_are_predicted_give_the_same_gradient(tiny
     every = Learner(_AllLogits(model), cfg).compute_gradients(groups)
     assert every["loss"] == pytest.approx(kept["loss"], abs=1e-6)
     _assert_same_grads({f"inner.{k}": v for k, v in g_kept.items()}, _grads(_AllLogits(model)))
+
+
+def test_policy_precision_computes_the_receivers_policy_and_updates_the_fp32_master(tiny_model) -> None:
+    """policy_precision='bf16': the loss is that of the weights rounded to bf16 (what inference peers of a
+    bf16 stream hold), so their rollouts are on-policy for it; the gradient is the one of that rounded model,
+    applied to the untouched fp32 master weights."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(1)
+    served = copy.deepcopy(model)  # an inference peer's copy: the trainer's weights cast to bf16
+    with torch.no_grad():
+        for p in served.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), served.parameters(), strict=True))
+    groups = []
+    for k, prompt in enumerate([[3, 4], [5, 6, 7]]):
+        grp = _sample_group(served, prompt, group_size=4, new_tokens=3 + k, temperature=1.0, gen=gen)
+        groups.append(ScoredGroup(grp, [float(i % 2) for i in range(4)]))
+    master = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = dict(micro_batch_size=3, max_grad_norm=None)
+
+    stats = Learner(model, GRPOConfig(policy_precision="bf16", **cfg)).compute_gradients(groups)
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and stats["clip_frac"] == 0.0
+    assert all(torch.equal(p, master[n]) for n, p in model.named_parameters())  # master put back exactly
+    grads = _grads(model)
+    Learner(served, GRPOConfig(**cfg)).compute_gradients(groups)  # the rounded model's own gradient
+    _assert_same_grads(grads, _grads(served), atol=0)
+
+    fp32 = Learner(model, GRPOConfig(**cfg)).compute_gradients(groups)  # the master's policy is another one
+    assert abs(fp32["ratio_mean"] - 1.0) > 1e-5

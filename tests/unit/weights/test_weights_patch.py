@@ -328,3 +328,31 @@ def test_changes_of_a_chain_merge_into_one_update():
     assert merged["x"].tolist() == [1, 2, 5] and merged["y"] is None and merged["z"].tolist() == [0]
     assert merge_changes(a, None) is None and merge_changes(None, b) is None
     assert merge_changes({}, b) == b
+
+
+def test_weights_on_rounding_midpoints_turn_a_tiny_step_into_half_a_unit_unless_started_on_the_grid():
+    """A checkpoint stored finer than bf16 (here: fp16-exact values) has values exactly halfway between two
+    bf16 numbers. One AdamW step at lr 1e-6 moves every weight by ~1e-6, yet the receivers' bf16 cast of
+    each tie jumps by half a bf16 unit (~100x the step) in the direction of the step. Rounding the fresh
+    weights to the grid first (``round_to_serving_grid_``) leaves the cast where it was."""
+    from echo_p2p.weights.quant import round_to_serving_grid_
+
+    base = torch.linspace(0.25, 0.5, 4097)[:-1].to(torch.float16).float()  # fp16 values, 1/8 of them ties
+    ties = (base.view(torch.int32) & 0xFFFF) == 0x8000
+    assert ties.float().mean() > 0.1
+
+    def cast_moves(start_on_grid: bool) -> torch.Tensor:
+        w = torch.nn.Parameter(base.clone())
+        if start_on_grid:
+            assert round_to_serving_grid_([w], "bf16") > 0
+        start, before = w.detach().clone(), w.detach().to(torch.bfloat16).float()
+        opt = torch.optim.AdamW([w], lr=1e-6)
+        w.grad = torch.ones_like(w)  # every weight steps down by ~1e-6
+        opt.step()
+        assert (w.detach() - start).abs().max() < 2e-6  # the trainer's own weights barely moved
+        return w.detach().to(torch.bfloat16).float() - before
+
+    moves = cast_moves(start_on_grid=False)
+    assert (moves[ties] < -5e-4).float().mean() > 0.4  # ties broke downwards by half a unit (~1e-3 here)
+    assert (moves != 0).float().mean() > 0.05
+    assert torch.count_nonzero(cast_moves(start_on_grid=True)) == 0
