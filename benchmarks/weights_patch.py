@@ -35,6 +35,7 @@ import torch
 
 from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
 from echo_p2p.ml.models import ModelSpec
+from echo_p2p.train.learner import GRPOConfig, Learner
 from echo_p2p.weights import (
     EncodedVersion,
     EncodingConfig,
@@ -100,12 +101,20 @@ def main() -> None:
     parser.add_argument("--style", default="question", help="arithmetic prompt style (bare / question)")
     parser.add_argument("--gap-every", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     parser.add_argument(
         "--policy-precision",
         choices=("fp32", "bf16", "fp16"),
         default="bf16",
         help="the weights the learner's loss sees (GRPOConfig.policy_precision): a trainer of an auto/bf16 "
         "stream uses bf16, the policy its receivers hold; fp32 shows the lag of a bf16 receiver",
+    )
+    parser.add_argument(
+        "--sample-precision",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="the weights rollouts are sampled with (default: --policy-precision); --policy-precision fp32 "
+        "--sample-precision bf16 is a trainer learning with fp32 weights while its receivers hold bf16",
     )
     parser.add_argument(
         "--start-grid",
@@ -126,6 +135,7 @@ def main() -> None:
         grpo={"lr": args.lr, "micro_batch_size": 8, "policy_precision": args.policy_precision},
         steps=args.versions,
         threads=args.threads,
+        seed=args.seed,
     )
     trainer = ColocatedTrainer(cfg)
     trainer.model.train(False)
@@ -140,11 +150,14 @@ def main() -> None:
     encoders = {s: WeightEncoder(config(s), run_id="bench", publisher="t") for s in STREAMS}
     held: dict[str, PolicyWeights | None] = dict.fromkeys(FOLLOWED)
     receiver = copy.deepcopy(trainer.model)
+    # the inference peers' weights: the learner's policy unless --sample-precision says otherwise
+    sample_precision = args.sample_precision or args.policy_precision
+    sampler = Learner(trainer.model, GRPOConfig(policy_precision=sample_precision))
     rows = []
     for version in range(args.versions + 1):
         groups, reward = [], None
         if version > 0:  # version 0: the initial weights (keyframes)
-            with trainer.learner.policy_weights():  # sample from the policy receivers hold, as they would
+            with sampler.policy_weights():  # sample from the policy receivers hold, as they would
                 groups, _ = trainer.sample_groups(version - 1)
             t0 = time.perf_counter()
             stats = trainer.learner.step(groups, trainer.optimizer)
