@@ -58,14 +58,18 @@ def step(tensors: dict[str, torch.Tensor], seed: int) -> None:
 
 
 class Swarm:
-    """A trainer (DHT + publisher) and the receivers a test adds; everything is stopped at the end."""
+    """A trainer (DHT + publisher) and the receivers a test adds; everything is stopped at the end.
 
-    def __init__(self, run_id: str, keyframe_interval: int = 10):
+    The stream is ``int8-delta`` unless a test says otherwise: receivers then hold fp32 weights, which the
+    tests compare with the trainer's own; the default ``auto`` stream goes through the same fetcher (the
+    newcomer test runs both, and the trainer-role runs in test_training_run use the default)."""
+
+    def __init__(self, run_id: str, keyframe_interval: int = 10, encoding: str = "int8-delta"):
         self.keys = SwarmKeys(run_id)
         self.dhts, self.identities, self.closers = [], [], []
         self.trainer_id, self.trainer_dht = self.node()
         self.maddrs = visible_maddrs(self.trainer_dht)
-        encoding = EncodingConfig(chunk_size=CHUNK, keyframe_interval=keyframe_interval)
+        encoding = EncodingConfig(encoding=encoding, chunk_size=CHUNK, keyframe_interval=keyframe_interval)
         self.publisher = self.publisher_of(
             self.trainer_dht, self.trainer_id, PublisherConfig(encoding=encoding)
         )
@@ -125,8 +129,9 @@ def provider_sees(fetcher: WeightFetcher, peer_id: str, digest: str) -> bool:
     )
 
 
-def test_newcomer_joining_at_version_12_reaches_the_weights_of_a_peer_that_followed_from_the_start():
-    with swarm("nw-newcomer", keyframe_interval=5) as s:
+@pytest.mark.parametrize("encoding", ["int8-delta", "auto"])
+def test_newcomer_joining_at_version_12_reaches_the_weights_of_a_peer_that_followed_from_the_start(encoding):
+    with swarm(f"nw-newcomer-{encoding}", keyframe_interval=5, encoding=encoding) as s:
         tensors = make_tensors()
         follower = s.receiver()
         for version in range(13):
@@ -149,8 +154,14 @@ def test_newcomer_joining_at_version_12_reaches_the_weights_of_a_peer_that_follo
         assert_same(weights.tensors, follower.weights.tensors)  # bit-identical to 12 deltas followed
         sizes = {(m.version, m.base_version): m.total_bytes for m in record.manifests}
         assert newcomer.stats.last_fetch_bytes == sizes[(10, None)] + sizes[(11, 10)] + sizes[(12, 11)]
-        for name, t in tensors.items():  # and close to the trainer's true weights (int8 error feedback)
-            assert (weights.tensors[name].to(t.dtype) - t).abs().max() < 1e-3
+        kinds = {m.encoding for m in record.manifests}
+        if encoding == "int8-delta":
+            assert kinds == {"int8-delta", "fp32"}
+            for name, t in tensors.items():  # and close to the trainer's true weights (int8 error feedback)
+                assert (weights.tensors[name].to(t.dtype) - t).abs().max() < 1e-3
+        else:  # random 1e-3 steps change most bf16 values: auto sends int8 deltas on the bf16 state
+            assert kinds <= {"int8-delta", "bf16-patch", "bf16"} and "bf16" in kinds
+            assert all(t.dtype == torch.bfloat16 for t in weights.tensors.values() if t.is_floating_point())
 
 
 def test_corrupted_chunk_is_refetched_from_another_provider_and_the_provider_is_banned():
