@@ -35,7 +35,7 @@ import torch
 
 from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
 from echo_p2p.ml.models import ModelSpec
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.learner import rounded_weights
 from echo_p2p.weights import (
     EncodedVersion,
     EncodingConfig,
@@ -125,6 +125,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/weights_patch.json")
     args = parser.parse_args()
+    if args.versions < 2:
+        parser.error("--versions must be at least 2 (medians are taken over versions 2 and later)")
 
     cfg = ColocatedConfig(
         model=ModelSpec(preset="smollm2"),
@@ -152,12 +154,13 @@ def main() -> None:
     receiver = copy.deepcopy(trainer.model)
     # the inference peers' weights: the learner's policy unless --sample-precision says otherwise
     sample_precision = args.sample_precision or args.policy_precision
-    sampler = Learner(trainer.model, GRPOConfig(policy_precision=sample_precision))
     rows = []
     for version in range(args.versions + 1):
         groups, reward = [], None
         if version > 0:  # version 0: the initial weights (keyframes)
-            with sampler.policy_weights():  # sample from the policy receivers hold, as they would
+            with rounded_weights(
+                trainer.model, sample_precision
+            ):  # sample from the policy receivers hold, as they would
                 groups, _ = trainer.sample_groups(version - 1)
             t0 = time.perf_counter()
             stats = trainer.learner.step(groups, trainer.optimizer)

@@ -65,6 +65,26 @@ def _positions_to_keep(mb: Batch) -> int:
 _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@contextlib.contextmanager
+def rounded_weights(model: torch.nn.Module, precision: str) -> Iterator[None]:
+    """While open, ``model``'s float parameters hold their values rounded to ``precision`` ('fp32': left
+    as they are; 'bf16' / 'fp16'), in their own dtype; the master values are put back on exit, gradients are
+    left as computed (straight through)."""
+    dtype = _PRECISIONS[precision]
+    masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for p in model.parameters() if dtype is not None else ():
+                if p.is_floating_point() and p.dtype != dtype:
+                    masters.append((p, p.detach().clone()))
+                    p.copy_(p.to(dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, master in masters:
+                p.copy_(master)
+
+
 class Learner:
     """Owns ``model`` (and an optional frozen ``ref_model`` for the KL term) and computes GRPO gradients.
 
@@ -97,26 +117,9 @@ class Learner:
         given = [limit for limit in limits if limit is not None]
         return min(given) if given else None
 
-    @contextlib.contextmanager
-    def policy_weights(self) -> Iterator[None]:
-        """While open, the model's float parameters hold their values rounded to ``policy_precision`` (in
-        their own dtype); the fp32 master values are put back on exit, gradients are left as computed."""
-        dtype = _PRECISIONS[self.config.policy_precision]
-        if dtype is None:
-            yield
-            return
-        masters: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.is_floating_point() and p.dtype != dtype:
-                        masters.append((p, p.detach().clone()))
-                        p.copy_(p.to(dtype))
-            yield
-        finally:
-            with torch.no_grad():
-                for p, master in masters:
-                    p.copy_(master)
+    def policy_weights(self) -> contextlib.AbstractContextManager[None]:
+        """``rounded_weights`` of the model at ``policy_precision``: the weights the loss sees."""
+        return rounded_weights(self.model, self.config.policy_precision)
 
     @property
     def device(self) -> torch.device:

@@ -24,14 +24,6 @@ from echo_p2p.weights import (
 from echo_p2p.weights.quant import dequantize, dynamic_code, quantize_blockwise
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = Qwen3Config(

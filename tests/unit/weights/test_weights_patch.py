@@ -38,14 +38,6 @@ from echo_p2p.weights.patch import (
 SHAPES = {"embed": (97, 33), "mlp": (4099,), "norm": (33,)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = {name: torch.randn(shape, generator=g) * 0.05 for name, shape in SHAPES.items()}
