@@ -116,7 +116,8 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
 
 
 def run_peer(peer, what: str) -> None:
-    """Start ``peer``, run it until a signal, always shut it down; exit 0, or 1 with a clear start error.
+    """Start ``peer``, run it until a signal, always shut it down; exit 0, 1 with a clear start error, or
+    the peer's ``exit_code`` when its role stopped on a fatal error.
 
     ``peer`` has ``start``, ``run``, ``request_stop`` and an idempotent ``shutdown``. Expected start-up
     failures (DHT start, a model not on disk, a bad option or file) print one line instead of a traceback.
@@ -137,4 +138,4 @@ def run_peer(peer, what: str) -> None:
         pass
     finally:
         peer.shutdown()
-    sys.exit(0)
+    sys.exit(getattr(peer, "exit_code", 0))

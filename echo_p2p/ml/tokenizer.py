@@ -102,6 +102,14 @@ def encode_prompts(
 
 
 def decode_completion(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
-    """The text a task scores: the completion's tokens decoded without special tokens (EOS, pad). The
-    inference peer (claimed reward) and the trainer (re-score) must both use this."""
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+    """The text a task scores: the completion's tokens without the special tokens around it (EOS and
+    padding at the end, padding or BOS at the start), decoded. A special token inside the completion stays in the text (``<unk>`` between the digits of a right
+    answer makes it wrong, instead of vanishing from it). The inference peer (claimed reward) and the
+    trainer (re-score) must both use this."""
+    special = set(tokenizer.all_special_ids)
+    start, end = 0, len(token_ids)
+    while end > start and token_ids[end - 1] in special:
+        end -= 1
+    while start < end and token_ids[start] in special:
+        start += 1
+    return tokenizer.decode(list(token_ids[start:end]), skip_special_tokens=False)

@@ -50,6 +50,7 @@ class BasePeer:
         self.metrics = MetricsWriter(config.metrics_dir, self.role, self.identity.peer_id)
         self.maddrs: list[str] = []
         self.announcements_failed = 0
+        self.exit_code = 0  # what the CLI exits with once the peer stopped (a role sets 1 on a fatal error)
         self._announcer: threading.Thread | None = None
         self._shutdown_done = False
         self._lock = threading.Lock()

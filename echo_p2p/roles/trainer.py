@@ -35,6 +35,8 @@ class TrainerPeer(BasePeer):
         self.accepts_rollouts = False
         self.steps = 0
         self.rollouts_consumed = 0
+        self.skipped_batches = 0  # batches dropped for a non-finite loss or gradient
+        self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
         self.rejected: Counter[str] = Counter()
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
@@ -255,6 +257,15 @@ class TrainerPeer(BasePeer):
         version_before = self.policy_version or 0
         result = self._stepper(batch)
         self.update_seconds += time.monotonic() - t0
+        if result.skipped:
+            self.skipped_batches += 1
+            logger.warning(
+                "%s dropped a batch of %d groups whose loss or gradient is not finite (%d so far)",
+                self.prefix(),
+                len(batch),
+                self.skipped_batches,
+            )
+            return
         self.steps += 1
         self.rollouts_consumed += len(batch)
         rewards = [r for g in batch for r in g.rewards]
@@ -270,6 +281,9 @@ class TrainerPeer(BasePeer):
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "step_update_s": round(time.monotonic() - t0, 4),
         }
+        if result.advanced and not self._params_finite():
+            self._recover_nonfinite()
+            return
         if result.advanced:
             self.policy_version = result.version
             if self.buffer is not None:
@@ -277,6 +291,45 @@ class TrainerPeer(BasePeer):
             self._maybe_publish()
             self._maybe_checkpoint()
         self.metrics.write(self.policy_version, step=self.steps, **self.last_stats, **self._counters())
+
+    # ---- non-finite weights ---------------------------------------------------------------------------
+    def _params_finite(self) -> bool:
+        import torch
+
+        with torch.no_grad():
+            return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def _recover_nonfinite(self) -> None:
+        """The weights went NaN/inf after an update (no gradient of ours can do that: ``Learner`` drops
+        non-finite ones; an averaging round can): reload the newest checkpoint, else the other trainers'
+        state; with neither, stop with an error rather than publish or train on broken weights."""
+        self.recoveries += 1
+        logger.error(
+            "%s weights are not finite after an update; reloading the last good state", self.prefix()
+        )
+        if self.checkpoints is not None and self.checkpoints.latest() is not None:
+            loaded = self.checkpoints.load()
+            self.model.load_state_dict(loaded.model_state)
+            if loaded.optimizer_state is not None:
+                self.optimizer.load_state_dict(loaded.optimizer_state)
+            source = f"checkpoint version {loaded.version}"
+        else:
+            try:
+                self.optimizer.load_state_from_peers()
+            except Exception as exc:
+                logger.error("%s loading state from other trainers failed: %r", self.prefix(), exc)
+            source = "other trainers"
+        if not self._params_finite():
+            logger.error(
+                "%s no good state to reload (no checkpoint, no other trainer); stopping", self.prefix()
+            )
+            self.exit_code = 1
+            self.stop_event.set()
+            return
+        self.policy_version = self._stepper.version
+        if self.buffer is not None:
+            self.buffer.drop_stale(self.policy_version)
+        logger.warning("%s reloaded version %d from %s", self.prefix(), self.policy_version, source)
 
     # ---- publishing and checkpoints ---------------------------------------------------------------------
     def _choose_publisher(self) -> bool:
@@ -373,6 +426,8 @@ class TrainerPeer(BasePeer):
             "publish_s_total": round(self.publish_seconds, 3),
             "update_s_total": round(self.update_seconds, 3),
             "publisher": self.is_publisher,
+            "nonfinite_skipped": self.skipped_batches,
+            "recoveries": self.recoveries,
             "peak_rss_mib": _peak_rss_mib(),
         }
         if self.buffer is not None:

@@ -42,6 +42,13 @@ class GRPOConfig(BaseModel):
         description="Async mode: truncate the importance ratio at this value on top of the clip (bounds the "
         "A<0, large-ratio branch the clip leaves open), e.g. 2.0. None: off. See ``grpo``.",
     )
+    ratio_cap: float | None = Field(
+        default=10.0,
+        gt=1,
+        description="Hard bound on the importance ratio inside the objective (dual clip): a token whose ratio "
+        "is above it adds ``ratio_cap * |A|`` to the loss and no gradient. Bounds what any reported "
+        "behaviour log-prob can do to the loss (``grpo``). None: unbounded. Must exceed ``1 + clip_high``.",
+    )
     kl_beta: float = Field(
         default=0.0,
         ge=0,

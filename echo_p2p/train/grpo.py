@@ -160,6 +160,10 @@ def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     return chunk / temperature if temperature != 1.0 else chunk
 
 
+#: The ratio reported in the stats saturates at e^30 (a report of a poisoned log-prob stays finite JSON).
+_STATS_LOG_RATIO_MAX = 30.0
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -169,6 +173,7 @@ def grpo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     tis_cap: float | None = None,
+    ratio_cap: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_beta: float = 0.0,
     agg: LossAggregation = "token_mean",
@@ -181,6 +186,9 @@ def grpo_loss(
     :param advantages: ``[B, L]`` (per token) or ``[B]`` (per sequence, broadcast over tokens)
     :param mask: ``[B, L]`` 1 on completion tokens, 0 on prompt and padding
     :param tis_cap: optional truncation of the ratio on top of the clip (async mode), e.g. 2.0
+    :param ratio_cap: hard bound on the ratio that enters the objective (dual clip): above it a token's
+        loss is ``ratio_cap * |A|`` and its gradient 0, so no behaviour log-prob a sampler reports can make
+        the loss or the gradient unbounded (a stranger's -1e30 made them NaN). None: unbounded.
     :param ref_logprobs: ``[B, L]`` reference-policy log-probs, needed when ``kl_beta > 0``
     :param agg: ``"token_mean"`` or ``"seq_mean"``
     :param normalizer: divide by this instead of this batch's token count (``token_mean``) or sequence
@@ -192,6 +200,8 @@ def grpo_loss(
         raise ValueError("clip_low and clip_high must be >= 0")
     if tis_cap is not None and tis_cap <= 0:
         raise ValueError("tis_cap must be > 0")
+    if ratio_cap is not None and ratio_cap <= 1.0 + clip_high:
+        raise ValueError("ratio_cap must be > 1 + clip_high")
     if kl_beta != 0.0 and ref_logprobs is None:
         raise ValueError("kl_beta != 0 needs ref_logprobs")
     if agg not in ("token_mean", "seq_mean"):
@@ -205,13 +215,15 @@ def grpo_loss(
 
     # Masked positions get log-ratio 0 (ratio 1) so that garbage there can never make inf/NaN.
     log_ratio = torch.where(maskb, logprobs - behaviour_logprobs.to(logprobs.dtype), zero)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(max=_STATS_LOG_RATIO_MAX))  # for the stats only: finite
+    # the ratio the objective sees: hard-bounded first (value and gradient stop at ratio_cap)
+    log_ratio_used = log_ratio.clamp(max=math.log(ratio_cap)) if ratio_cap is not None else log_ratio
     if tis_cap is not None:
         # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
-        excess = (log_ratio - math.log(tis_cap)).clamp(min=0.0).detach()
-        ratio_used = torch.exp(log_ratio - excess)
+        excess = (log_ratio_used - math.log(tis_cap)).clamp(min=0.0).detach()
+        ratio_used = torch.exp(log_ratio_used - excess)
     else:
-        ratio_used = ratio
+        ratio_used = torch.exp(log_ratio_used)
     clipped = ratio_used.clamp(1.0 - clip_low, 1.0 + clip_high)
     obj = torch.minimum(ratio_used * advantages, clipped * advantages)
     token_loss = -obj
@@ -259,6 +271,8 @@ def grpo_loss(
         }
         if tis_cap is not None:
             stats["tis_capped_frac"] = tmean((ratio > tis_cap).to(maskf.dtype))
+        if ratio_cap is not None:
+            stats["ratio_capped_frac"] = tmean((ratio > ratio_cap).to(maskf.dtype))
         if kl is not None:
             stats["kl"] = tmean(kl)
     return loss, stats

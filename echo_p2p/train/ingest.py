@@ -50,7 +50,7 @@ class Reason(str, Enum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # a token id outside [0, vocab_size)
     TOO_LONG = "too_long"  # prompt or completion longer than the limits
     LOGPROB_MISMATCH = "logprob_mismatch"  # not one log-prob per completion token
-    BAD_LOGPROB = "bad_logprob"  # a log-prob > 0 (impossible)
+    BAD_LOGPROB = "bad_logprob"  # a log-prob > 0 (impossible) or below the floor (``logprob_floor_mass``)
     NON_FINITE = "non_finite"  # NaN or infinity in log-probs or the claimed reward
     FUTURE_VERSION = "future_version"  # sampled by a policy version this trainer has not reached
     TOO_STALE = "too_stale"  # older than ``max_staleness`` versions
@@ -95,6 +95,15 @@ class IngestConfig(BaseModel):
     max_staleness: int = Field(
         default=4, ge=0, description="Refuse groups older than current_version - max_staleness (0: sync mode)"
     )
+    logprob_floor_mass: float = Field(
+        default=1e-9,
+        gt=0,
+        lt=1,
+        description="Behaviour log-probs below log(logprob_floor_mass / vocab_size) are refused (bad_logprob): "
+        "the tokens that a distribution over the vocabulary gives less than that probability weigh at most "
+        "``logprob_floor_mass`` together, so an honest sampler reports one below the floor at most once in "
+        "1e9 tokens, whatever its temperature, top-p or quantisation (-31.5 for a 49k vocabulary).",
+    )
     reward_tolerance: float = Field(
         default=1e-3,
         ge=0,
@@ -128,6 +137,7 @@ class IngestValidator:
         allowed = set(config.tasks) if config.tasks is not None else set(tasks)
         self.tasks: dict[str, Task] = {name: task for name, task in tasks.items() if name in allowed}
         self._prompts: OrderedDict[tuple[str, int], tuple[int, ...]] = OrderedDict()
+        self.min_logprob = math.log(config.logprob_floor_mass / config.vocab_size)
 
     # ---- public -----------------------------------------------------------------------------------------
     def validate(self, group: Any, current_version: int) -> ScoredGroup | Rejection:
@@ -222,6 +232,11 @@ class IngestValidator:
                 return Rejection(Reason.NON_FINITE, f"completion {i} has a non-finite log-prob")
             if max(completion.logprobs) > MAX_LOGPROB:
                 return Rejection(Reason.BAD_LOGPROB, f"completion {i} has a positive log-prob")
+            if min(completion.logprobs) < self.min_logprob:
+                return Rejection(
+                    Reason.BAD_LOGPROB,
+                    f"completion {i} has a log-prob below the floor {self.min_logprob:.1f}",
+                )
             if not math.isfinite(completion.claimed_reward):
                 return Rejection(Reason.NON_FINITE, f"completion {i} has a non-finite claimed reward")
         return None

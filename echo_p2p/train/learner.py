@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -145,7 +146,8 @@ class Learner:
         gradient of the loss over the whole batch at once. ``zero_grad=False`` adds to existing gradients
         (e.g. ``hivemind.Optimizer`` with ``reuse_grad_buffers=True``, which must own the zeroing).
         Returns stats: ``loss``, ``grad_norm`` (before clipping), reward and advantage summaries and the
-        token-weighted means of ``grpo_loss``'s stats.
+        token-weighted means of ``grpo_loss``'s stats. A non-finite loss or gradient norm leaves zero gradients
+        (every ``.grad`` zeroed) and ``nonfinite`` = 1: the caller must not step.
         """
         cfg = self.config
         t0 = time.perf_counter()
@@ -179,6 +181,7 @@ class Learner:
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
                     tis_cap=cfg.tis_cap,
+                    ratio_cap=cfg.ratio_cap,
                     ref_logprobs=ref_logp,
                     kl_beta=cfg.kl_beta,
                     agg=cfg.loss_agg,
@@ -191,9 +194,16 @@ class Learner:
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = 0.0
-        if params:
+        nonfinite = not math.isfinite(total_loss)
+        if params and not nonfinite:
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            nonfinite = not math.isfinite(grad_norm)
+        if nonfinite:
+            # never hand NaN/inf to an optimizer: this batch's gradient is dropped (and, when gradients are
+            # accumulated across calls, the running sum it poisoned with it)
+            for p in params:
+                p.grad.zero_()
 
         stats = _combine(parts)
         stats.update(
@@ -206,6 +216,7 @@ class Learner:
             reward_std=float(batch.rewards.std(unbiased=False)) if batch.num_sequences else 0.0,
             frac_zero_adv_groups=_frac_zero_adv_groups(batch, len(groups)),
             compute_s=time.perf_counter() - t0,
+            nonfinite=float(nonfinite),
         )
         return stats
 
@@ -213,9 +224,11 @@ class Learner:
         self, groups: Sequence[ScoredGroup], optimizer: torch.optim.Optimizer | Any, **step_kwargs: Any
     ) -> dict[str, float]:
         """``compute_gradients`` then ``optimizer.step(**step_kwargs)`` (e.g. ``batch_size=`` for
-        ``hivemind.Optimizer``). Gradients are zeroed at the start of the next ``compute_gradients``."""
+        ``hivemind.Optimizer``), unless the gradient is non-finite (then no step). Gradients are zeroed at the
+        start of the next ``compute_gradients``."""
         stats = self.compute_gradients(groups)
-        optimizer.step(**step_kwargs)
+        if not stats["nonfinite"]:
+            optimizer.step(**step_kwargs)
         return stats
 
 

@@ -311,6 +311,11 @@ class CollabStepResult:
         return self.version > self.version_before
 
     @property
+    def skipped(self) -> bool:
+        """True when the batch was not stepped on (a non-finite loss or gradient: see ``Learner``)."""
+        return "skipped" in self.extra
+
+    @property
     def caught_up(self) -> bool:
         """True when the version jumped by more than one: state was downloaded from other trainers."""
         return self.version > self.version_before + 1
@@ -369,6 +374,9 @@ class CollabTrainerStep:
         stats = self.learner.compute_gradients(groups, zero_grad=self._zero_grad)
         t1 = time.perf_counter()
         batch_size = self.batch_size_of(groups)
+        if stats.get("nonfinite"):
+            # a batch whose loss or gradient is NaN/inf reports no progress and is never averaged
+            return CollabStepResult(stats, before, before, 0, t1 - t0, 0.0, {"skipped": "nonfinite"})
         self.optimizer.step(batch_size=batch_size)
         t2 = time.perf_counter()
         return CollabStepResult(

@@ -70,3 +70,13 @@ def test_decode_completion_drops_eos_and_padding():
     ids = tok("ccc", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert decode_completion(tok, ids) == "ccc"
     assert decode_completion(tok, [tok.pad_token_id, *ids]) == "ccc"
+
+
+def test_decode_completion_keeps_a_special_token_inside_the_text():
+    """An ``<unk>`` between the characters of a right answer must not vanish from what the task scores
+    (a stranger's trick to get reward 1.0 for a malformed completion)."""
+    tok = build_char_tokenizer()
+    inner = next(i for i in tok.all_special_ids if i not in (tok.eos_token_id, tok.pad_token_id))
+    c = tok("c", add_special_tokens=False)["input_ids"]
+    text = decode_completion(tok, [*c, inner, *c, tok.eos_token_id])
+    assert text != "cc" and text.startswith("c") and text.endswith("c") and len(text) > 2

@@ -208,3 +208,29 @@ def test_kl_beta_without_reference_is_an_error() -> None:
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError):
         grpo_loss(x, x, torch.zeros(1), torch.ones(1, 2), kl_beta=0.1)
+
+
+def test_ratio_cap_bounds_loss_and_gradient_whatever_the_behaviour_logprob() -> None:
+    """A behaviour log-prob of -1e30 (finite, <= 0) made the loss NaN; with the dual-clip cap the token adds
+    ratio_cap * |A| to the loss and no gradient, and the stats stay finite."""
+    for adv in (-1.0, 1.0, 0.0):
+        behaviour = torch.tensor([[0.0, -1e30, -0.5]])
+        logp = torch.tensor([[0.0, -0.7, -0.5]], requires_grad=True)
+        mask = torch.tensor([[0.0, 1.0, 1.0]])
+        loss, stats = grpo_loss(logp, behaviour, torch.tensor([adv]), mask, ratio_cap=10.0)
+        loss.backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+        # token 1: ratio capped at 10 -> -min(10 A, 1.2 A) (A<0: 10, A>0: -1.2); token 2: ratio 1 -> -A
+        token1 = 10.0 if adv < 0 else -1.2 * adv
+        assert loss.item() == pytest.approx((token1 - adv) / 2, abs=1e-5)
+        assert logp.grad[0, 1].item() == 0.0
+        assert all(math.isfinite(v) for v in stats.values())
+        assert stats["ratio_capped_frac"] == pytest.approx(0.5)
+    # without the cap the same batch is not finite: the cap is what bounds it
+    behaviour = torch.tensor([[0.0, -1e30]])
+    loss, _ = grpo_loss(torch.zeros(1, 2), behaviour, torch.tensor([0.0]), torch.tensor([[0.0, 1.0]]))
+    assert not math.isfinite(loss.item())
+    with pytest.raises(ValueError):
+        grpo_loss(
+            torch.zeros(1, 2), behaviour, torch.tensor([0.0]), torch.tensor([[0.0, 1.0]]), ratio_cap=1.1
+        )

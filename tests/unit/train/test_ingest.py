@@ -104,6 +104,11 @@ def test_claimed_reward_far_from_the_rescore_is_forged(validator, tok, task):
         (lambda g, tok: g.completions[0].logprobs.__setitem__(0, -math.inf), Reason.NON_FINITE),
         (lambda g, tok: setattr(g.completions[0], "claimed_reward", math.inf), Reason.NON_FINITE),
         (lambda g, tok: g.completions[0].logprobs.__setitem__(0, 0.7), Reason.BAD_LOGPROB),
+        (lambda g, tok: g.completions[0].logprobs.__setitem__(0, -1e30), Reason.BAD_LOGPROB),
+        (
+            lambda g, tok: g.completions[0].logprobs.__setitem__(0, math.log(1e-9 / len(tok)) - 0.1),
+            Reason.BAD_LOGPROB,
+        ),
         (lambda g, tok: setattr(g, "policy_version", VERSION + 1), Reason.FUTURE_VERSION),
         (lambda g, tok: setattr(g, "policy_version", VERSION - 3), Reason.TOO_STALE),
         (lambda g, tok: setattr(g, "policy_version", -1), Reason.MALFORMED),
@@ -120,6 +125,14 @@ def test_each_bad_group_is_rejected_with_its_reason(validator, tok, task, mutate
     result = validator.validate(group, VERSION)
     assert reason_of(result) is reason
     assert result.detail  # a reason the sender can read
+
+
+def test_logprob_floor_is_the_tokens_an_honest_sampler_draws_once_in_1e9(validator, tok, task):
+    floor = math.log(1e-9 / len(tok))
+    assert validator.min_logprob == pytest.approx(floor)
+    group = make_group(tok, task)
+    group.completions[0].logprobs[0] = floor + 0.01
+    assert isinstance(validator.validate(group, VERSION), ScoredGroup)
 
 
 def test_non_group_input_is_malformed_and_never_raises(validator):

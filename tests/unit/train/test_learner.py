@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -221,3 +222,22 @@ def test_policy_precision_computes_the_receivers_policy_and_updates_the_fp32_mas
 
     fp32 = Learner(model, GRPOConfig(**cfg)).compute_gradients(groups)  # the master's policy is another one
     assert abs(fp32["ratio_mean"] - 1.0) > 1e-5
+
+
+def test_a_non_finite_gradient_is_dropped_and_never_stepped(tiny_model, random_groups) -> None:
+    """A batch whose loss is not finite leaves zero gradients, says so, and ``step`` does not move a weight."""
+    model = tiny_model()
+    groups = random_groups(seed=6)
+    learner = Learner(model, GRPOConfig(lr=1e-2, ratio_cap=None))
+    # a stranger's behaviour log-prob that no sampler can produce; uncapped, the loss goes inf/NaN
+    groups[0].group.completions[0].logprobs[0] = -1e30
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = learner.make_optimizer()
+    stats = learner.step(groups, opt)
+    assert stats["nonfinite"] == 1.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # the default ratio cap keeps the same batch finite: it trains
+    stats = Learner(model, GRPOConfig(lr=1e-2)).step(groups, opt)
+    assert stats["nonfinite"] == 0.0 and math.isfinite(stats["loss"])
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
