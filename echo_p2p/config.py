@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
 from echo_p2p.net.keys import validate_run_id
+from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
 from echo_p2p.transport.rollout_config import (
@@ -282,10 +283,13 @@ class PeerConfig(StrictModel):
         default=10.0, gt=0, le=3600, description="Seconds between two metrics lines"
     )
     heartbeat_period: float = Field(
-        default=5.0, ge=0.2, le=600, description="Seconds between two announcements"
+        default=5.0, ge=0.2, le=200, description="Seconds between two announcements"
     )
     record_ttl: float | None = Field(
-        default=None, gt=0, le=3600, description="Lifetime (s) of an announcement; default 3 heartbeats"
+        default=None,
+        gt=0,
+        le=MAX_RECORD_TTL,
+        description="Lifetime (s) of an announcement; default 3 heartbeats",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level")
     run: RunSettings = Field(default_factory=RunSettings, description="What all peers of the run agree on")

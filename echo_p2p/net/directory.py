@@ -3,8 +3,9 @@
 Owned here: all reads and writes of the run's peer and provider records (keys from ``keys.py``, schemas
 from ``records.py``). Writes are signed per subkey by the peer's own key (hivemind's
 RSASignatureValidator), so no peer can overwrite another's record; reads drop records whose signing key
-does not match the peer id written inside, records of other protocol versions (one log line per peer)
-and malformed ones (counted, never raised). Every call has a deadline. Callers: peers (heartbeat), the
+does not match the peer id written inside, records whose subkey is anything but exactly their owner's
+key marker (one key, one record), records set to expire more than ``MAX_RECORD_TTL`` from now, records of
+other protocol versions (one log line per peer) and malformed ones (counted, never raised). Every call has a deadline. Callers: peers (heartbeat), the
 ``swarm status`` CLI, the transports (finding trainers and providers).
 """
 
@@ -19,12 +20,15 @@ from typing import Generic, TypeVar
 from echo_p2p.net.identity import Identity, peer_id_from_owner_key
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import (
+    CLOCK_SKEW,
+    MAX_RECORD_TTL,
     OtherProtocolError,
     PeerRecord,
     PolicyRecord,
     ProviderRecord,
     RecordError,
     WireRecord,
+    is_owner_subkey,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,6 +114,12 @@ class SwarmDirectory:
         out = []
         for subkey, item in found.value.items():
             if item.expiration_time < now:
+                continue
+            if not is_owner_subkey(subkey):
+                self.rejected["bad_subkey"] += 1  # one key, many subkeys: a flood (records.OWNER_SUBKEY_RE)
+                continue
+            if item.expiration_time > now + MAX_RECORD_TTL + CLOCK_SKEW:
+                self.rejected["expiry_too_far"] += 1  # a record meant to outlive its writer
                 continue
             record = self._parse(subkey, item.value, cls)
             if record is not None:

@@ -23,6 +23,21 @@ Role = Literal["inference", "trainer", "bootstrap"]
 MAX_MADDRS = 16
 MAX_STR = 256
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+#: Longest lifetime (s) of a directory record. Honest peers re-announce well within it (every ``record_ttl``
+#: of the configs is at most this); a record stored to expire later is refused by every echo_p2p DHT node
+#: and ignored by every reader, so nothing a peer stores outlives it by more than this.
+MAX_RECORD_TTL = 600.0
+#: DHT time is wall-clock time: expiries up to this many seconds beyond ``MAX_RECORD_TTL`` are let through.
+CLOCK_SKEW = 60.0
+#: The only subkey a directory record may have: exactly its owner's ``[owner:ssh-rsa ...]`` marker, so one
+#: key holds one record per directory key (hivemind's own rule only asks the subkey to *contain* it: one key
+#: could sign any number of records).
+OWNER_SUBKEY_RE = re.compile(rb"\[owner:ssh-rsa [A-Za-z0-9+/=]{16,4096}\]\Z")
+
+
+def is_owner_subkey(subkey: object) -> bool:
+    """True when ``subkey`` is exactly one ``[owner:ssh-rsa ...]`` marker and nothing else."""
+    return isinstance(subkey, bytes) and OWNER_SUBKEY_RE.match(subkey) is not None
 
 
 def _check_digests(value: list[str]) -> list[str]:
@@ -204,13 +219,33 @@ def _value_type(record_cls: type[WireRecord]) -> type:
 
 
 def schema_validator(keys: SwarmKeys):
-    """The hivemind ``SchemaValidator`` for one run's keys: dictionary records keyed by owner public key."""
-    from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+    """The hivemind ``SchemaValidator`` for one run's keys: dictionary records whose subkey is exactly their
+    owner's public-key marker (``OWNER_SUBKEY_RE``)."""
+    from hivemind.dht.schema import SchemaValidator, conbytes
 
+    owner = conbytes(regex=OWNER_SUBKEY_RE.pattern)
     fields = {
-        keys.peers: (dict[BytesWithPublicKey, _value_type(PeerRecord)], None),
-        keys.providers: (dict[BytesWithPublicKey, _value_type(ProviderRecord)], None),
-        keys.policy: (dict[BytesWithPublicKey, _value_type(PolicyRecord)], None),
+        keys.peers: (dict[owner, _value_type(PeerRecord)], None),
+        keys.providers: (dict[owner, _value_type(ProviderRecord)], None),
+        keys.policy: (dict[owner, _value_type(PolicyRecord)], None),
     }
     schema = pydantic_v1.create_model(f"EchoSchema_{keys.protocol}", **fields)
     return SchemaValidator(schema, allow_extra_keys=True)
+
+
+def lifetime_validator(keys: SwarmKeys):
+    """A hivemind record validator that refuses records of the run's keys stored to expire more than
+    ``MAX_RECORD_TTL`` (+ ``CLOCK_SKEW``) from now: a peer that leaves cannot leave a record behind for long."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import RecordValidatorBase
+    from hivemind.utils import get_dht_time
+
+    key_ids = frozenset(DHTID.generate(source=key).to_bytes() for key in keys.all_keys().values())
+
+    class LifetimeValidator(RecordValidatorBase):
+        def validate(self, record) -> bool:
+            if record.key not in key_ids:
+                return True
+            return record.expiration_time <= get_dht_time() + MAX_RECORD_TTL + CLOCK_SKEW
+
+    return LifetimeValidator()

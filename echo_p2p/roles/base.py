@@ -9,6 +9,7 @@ process behind. Callers: ``echo_p2p.peer`` (the CLI) and tests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -172,13 +173,15 @@ class BasePeer:
                 if time.monotonic() >= next_metrics:
                     next_metrics = time.monotonic() + self.config.metrics_period
                     self._status()
-            except Exception:
+            except (Exception, GeneratorExit, asyncio.CancelledError):
+                # hivemind's futures can raise BaseExceptions (a GeneratorExit out of a DHT call under a
+                # flood killed this thread for good): none of them may end the peer's announcements
                 logger.exception("%s heartbeat failed; will retry", self.prefix())
 
     def _status(self) -> None:
         try:
             table, connected = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
-        except Exception:
+        except (Exception, GeneratorExit, asyncio.CancelledError):
             table = connected = -1
         figures = {"dht_neighbours": table, "connections": connected, **self.figures()}
         self.metrics.write(self.policy_version, **figures)

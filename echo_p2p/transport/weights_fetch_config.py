@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.transport.weights_service import ServiceLimits
 
 
@@ -87,7 +88,9 @@ class FetcherConfig(BaseModel):
     ban_seconds: float = Field(
         default=600.0, ge=0, description="How long a provider that served bad data is avoided"
     )
-    record_ttl: float = Field(default=30.0, gt=0, description="Lifetime (s) of this peer's ProviderRecord")
+    record_ttl: float = Field(
+        default=30.0, gt=0, le=MAX_RECORD_TTL, description="Lifetime (s) of this peer's ProviderRecord"
+    )
     request_timeout: float = Field(
         default=10.0, gt=0, description="Deadline (s) of DHT reads/writes and unary RPCs"
     )

@@ -25,7 +25,7 @@ from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import visible_maddrs
-from echo_p2p.net.records import ManifestRef, PolicyRecord
+from echo_p2p.net.records import MAX_RECORD_TTL, ManifestRef, PolicyRecord
 from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits, WeightsEndpoint
 from echo_p2p.weights import EncodingConfig, Manifest, WeightEncoder
 
@@ -38,7 +38,9 @@ class PublisherConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     encoding: EncodingConfig = Field(default_factory=EncodingConfig, description="Weight encoding")
-    record_ttl: float = Field(default=60.0, gt=0, description="Lifetime (s) of the PolicyRecord on the DHT")
+    record_ttl: float = Field(
+        default=60.0, gt=0, le=MAX_RECORD_TTL, description="Lifetime (s) of the PolicyRecord on the DHT"
+    )
     heartbeat_period: float = Field(
         default=20.0, gt=0, description="Seconds between re-announcements of the PolicyRecord"
     )

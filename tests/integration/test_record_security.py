@@ -134,3 +134,60 @@ def test_record_of_another_protocol_version_is_ignored_with_one_log_line(swarm, 
     lines = [r for r in caplog.records if "protocol version 2" in r.getMessage()]
     assert len(lines) == 1
     assert reader_dir.rejected["other_protocol"] == 2
+
+
+def rogue_node(boot, started):
+    """A stranger's DHT node: signs with its own key (valid signatures) but runs none of echo_p2p's rules,
+    so it keeps whatever it stores and serves it to readers."""
+    ident = load_or_create_identity(None)
+    dht = hivemind.DHT(
+        start=True,
+        host_maddrs=LOOP,
+        initial_peers=maddrs(boot),
+        record_validators=[RSASignatureValidator(ident.private_key)],
+    )
+    started.append((dht, ident))
+    return dht, ident
+
+
+def test_one_key_holds_one_record_a_flood_of_subkeys_is_refused_and_ignored(swarm):
+    """hivemind only asks a subkey to *contain* its signer's key: one key could sign 1,500 peer records and
+    hide the run. echo_p2p nodes refuse any subkey other than exactly the owner marker, readers ignore them."""
+    keys, honest, started = swarm
+    boot, _, _ = honest()
+    _, trainer, trainer_dir = honest(maddrs(boot))
+    _, _, reader_dir = honest(maddrs(boot))
+    assert trainer_dir.announce(PeerRecord(peer_id=trainer.peer_id, role="trainer"), ttl=60)
+    rogue, rogue_ident = rogue_node(boot, started)
+    record = PeerRecord(peer_id=rogue_ident.peer_id, role="trainer").to_wire()
+    for i in range(50):
+        rogue.store(keys.peers, record, get_dht_time() + 60, subkey=rogue_ident.owner_key + b"%d" % i)
+    # an honest node refuses to store them
+    boot_value = boot.get(keys.peers, latest=True)
+    stored_subkeys = set(boot_value.value) if boot_value is not None else set()
+    assert all(s in (trainer.owner_key,) for s in stored_subkeys), len(stored_subkeys)
+    # a reader that also asks the rogue node sees only honest records, the rest counted
+    found = reader_dir.peers()
+    assert [e.record.peer_id for e in found] == [trainer.peer_id]
+
+
+def test_a_record_stored_to_outlive_its_writer_is_refused_and_ignored(swarm):
+    """A ghost trainer stored one record expiring in 10^6 s and left: no echo_p2p node stores an expiry
+    beyond MAX_RECORD_TTL, and readers ignore one served by a rogue node."""
+    from echo_p2p.net.records import MAX_RECORD_TTL
+
+    keys, honest, started = swarm
+    boot, _, _ = honest()
+    _, ghost, ghost_dir = honest(maddrs(boot))
+    _, _, reader_dir = honest(maddrs(boot))
+    record = PeerRecord(peer_id=ghost.peer_id, role="trainer")
+    assert not ghost_dir.announce(record, ttl=1e6)  # refused by every honest node, its own included
+    assert ghost_dir.announce(record, ttl=MAX_RECORD_TTL)  # the longest honest lifetime is fine
+    rogue, rogue_ident = rogue_node(boot, started)
+    rogue.store(
+        keys.peers,
+        PeerRecord(peer_id=rogue_ident.peer_id, role="trainer").to_wire(),
+        get_dht_time() + 1e6,
+        subkey=rogue_ident.owner_key,
+    )
+    assert [e.record.peer_id for e in reader_dir.peers()] == [ghost.peer_id]

@@ -65,3 +65,38 @@ def test_dht_schema_type_accepts_valid_and_future_records_unchanged_and_refuses_
     assert typ.validate(future) is future
     with pytest.raises(ValueError):
         typ.validate({"protocol": 1, "role": "nope", "peer_id": "QmX"})
+
+
+def test_directory_reads_one_record_per_owner_key_and_no_far_expiry():
+    """What a reader keeps of what any DHT node serves (a node without echo_p2p's rules included)."""
+    from concurrent.futures import Future
+
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from echo_p2p.net.directory import SwarmDirectory
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.records import MAX_RECORD_TTL, PeerRecord
+
+    honest, flooder = load_or_create_identity(None), load_or_create_identity(None)
+    now = get_dht_time()
+
+    def entry(ident, ttl):
+        return ValueWithExpiration(PeerRecord(peer_id=ident.peer_id, role="trainer").to_wire(), now + ttl)
+
+    served = {honest.owner_key: entry(honest, MAX_RECORD_TTL)}
+    served.update({flooder.owner_key + b"%d" % i: entry(flooder, 60) for i in range(20)})
+    served[b"x" + flooder.owner_key] = entry(flooder, 60)
+    served[flooder.owner_key] = entry(flooder, 1e6)
+
+    class FakeDht:
+        def get(self, key, latest, return_future):
+            future = Future()
+            future.set_result(ValueWithExpiration(served, now + 60))
+            return future
+
+    directory = SwarmDirectory(FakeDht(), SwarmKeys("r"), honest)
+    assert [e.record.peer_id for e in directory.peers()] == [honest.peer_id]
+    assert directory.rejected == {"bad_subkey": 21, "expiry_too_far": 1}
+    honest.cleanup()
+    flooder.cleanup()
