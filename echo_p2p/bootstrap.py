@@ -26,6 +26,9 @@ from echo_p2p.cli import (
 
 logger = logging.getLogger("echo_p2p.bootstrap")
 
+#: Seconds between two stores of the run record a bootstrap keeps (it lives three periods).
+RUN_RECORD_PERIOD = 20.0
+
 
 class BootstrapPeer:
     """A DHT node with echo_p2p's validators; ``run()`` loops on a status period until ``request_stop``."""
@@ -39,14 +42,28 @@ class BootstrapPeer:
         self.dht = None
         self.maddrs: list[str] = []
         self._stopped = False
+        self._run_record = None  # (SwarmKeys, SignedRunRecord, RunRecord) this bootstrap keeps on the DHT
 
     def start(self) -> None:
         from echo_p2p.net.keys import SwarmKeys
         from echo_p2p.net.node import start_dht, visible_maddrs
 
         t0 = time.monotonic()
-        keys = [SwarmKeys(run_id) for run_id in self.config.run_ids]
+        run_ids = list(self.config.run_ids)
+        if self.config.run_record:
+            from echo_p2p.net.records import SignedRunRecord
+            from echo_p2p.net.run_record import read_file
+
+            record, record_bytes, signature = read_file(self.config.run_record)  # ValueError: a start error
+            self._run_record = (
+                SwarmKeys(record.run_id),
+                SignedRunRecord(peer_id=self.identity.peer_id, record=record_bytes, signature=signature),
+                record,
+            )
+            run_ids.append(record.run_id)
+        keys = [SwarmKeys(run_id) for run_id in dict.fromkeys(run_ids)]
         self.dht = start_dht(self.config.network, self.identity, keys)
+        self._keep_run_record()
         self.maddrs = visible_maddrs(self.dht)
         if self.config.maddrs_file:
             tmp = self.config.maddrs_file + ".tmp"
@@ -57,13 +74,24 @@ class BootstrapPeer:
             logger.warning("no --identity-path: this bootstrap's peer id will change when it restarts")
         logger.info("bootstrap %s ready in %.2f s", self.identity.peer_id, time.monotonic() - t0)
         print("Peers join this swarm with:\n  --initial-peers " + " ".join(self.maddrs), flush=True)
+        if self._run_record is not None:
+            from echo_p2p.net.run_record import JoinAddress
+
+            record = self._run_record[2]
+            join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs))
+            print(f"and the run {record.run_id} with:\n  --join {join}", flush=True)
 
     def run(self) -> None:
         from echo_p2p.net.node import neighbour_counts
 
         if self.dht is None:
             self.start()
-        while not self.stop_event.wait(self.config.status_period):
+        next_status = time.monotonic() + self.config.status_period
+        while not self.stop_event.wait(min(self.config.status_period, RUN_RECORD_PERIOD)):
+            self._keep_run_record()
+            if time.monotonic() < next_status:
+                continue
+            next_status = time.monotonic() + self.config.status_period
             try:
                 table, connected = neighbour_counts(self.dht)
                 logger.info(
@@ -74,6 +102,20 @@ class BootstrapPeer:
                 )
             except Exception as exc:
                 logger.warning("could not count peers: %s", exc)
+
+    def _keep_run_record(self) -> None:
+        if self._run_record is None:
+            return
+        from echo_p2p.net.directory import SwarmDirectory
+
+        keys, signed, _ = self._run_record
+        try:
+            if not SwarmDirectory(self.dht, keys, self.identity).announce_run_record(
+                signed, 3 * RUN_RECORD_PERIOD
+            ):
+                logger.warning("the run record of %s was not stored by any DHT node", keys.run_id)
+        except Exception as exc:  # keep serving the DHT whatever happens
+            logger.warning("storing the run record failed: %r", exc)
 
     def request_stop(self) -> None:
         self.stop_event.set()
@@ -113,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also schema-validate the records of this run (repeatable)",
     )
     parser.add_argument(
+        "--run-record",
+        metavar="FILE",
+        default=None,
+        help="keep this signed run record (python -m echo_p2p.owner sign) on the DHT: the door to the run",
+    )
+    parser.add_argument(
         "--status-period", type=float, metavar="S", default=None, help="seconds between status lines"
     )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
@@ -128,6 +176,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
     args = build_parser().parse_args(argv)
     flags = {
         "maddrs_file": args.maddrs_file,
+        "run_record": args.run_record,
         "run_ids": args.run_ids,
         "status_period": args.status_period,
         "log_level": args.log_level,

@@ -179,8 +179,8 @@ class InferenceSection(StrictModel):
     )
     trusted_trainers: str | None = Field(
         default=None,
-        description="File of the trainers' public keys / peer ids that this peer accepts weights from "
-        "(docs/trust.md); required",
+        description="File of the trainers' public keys / peer ids that this peer accepts weights from and "
+        "pushes rollouts to (docs/trust.md); required unless the run has an owner (run_owner / run_record)",
     )
     prompts_per_batch: int = Field(default=16, ge=1, le=4096, description="Prompts sampled together (async)")
     threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
@@ -214,6 +214,11 @@ class InferenceSection(StrictModel):
 class TrainerSection(StrictModel):
     """Settings of a trainer peer."""
 
+    trusted_trainers: str | None = Field(
+        default=None,
+        description="File of the run's trainers (docs/trust.md) among whom the publisher is elected, for runs "
+        "without an owner; unset and no run owner: any peer announcing itself a trainer takes part",
+    )
     prompts_per_step: int = Field(default=16, ge=1, le=4096, description="Rollout groups per GRPO step")
     grpo: GRPOConfig = Field(
         default_factory=lambda: GRPOConfig(lr=2e-3, micro_batch_size=256), description="GRPO hyperparameters"
@@ -292,6 +297,17 @@ class PeerConfig(StrictModel):
         description="Lifetime (s) of an announcement; default 3 heartbeats",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level")
+    run_owner: str | None = Field(
+        default=None,
+        max_length=128,
+        description="Peer id of the run owner's key (the OWNER of a --join address): this peer trusts the "
+        "trainers of the newest valid run record that key signed (docs/trust.md)",
+    )
+    run_record: str | None = Field(
+        default=None,
+        description="A signed run record file (python -m echo_p2p.owner sign): this peer keeps it on the DHT "
+        "and trusts its trainers (given to the trainers; a bootstrap takes one too)",
+    )
     run: RunSettings = Field(default_factory=RunSettings, description="What all peers of the run agree on")
     inference: InferenceSection = Field(
         default_factory=InferenceSection, description="Inference peer settings"
@@ -324,10 +340,17 @@ class PeerConfig(StrictModel):
             raise ValueError(
                 "network.initial_peers is empty: pass --initial-peers with the multiaddr a bootstrap printed"
             )
-        if self.role == "inference" and not self.inference.trusted_trainers:
+        owned = self.run_owner is not None or self.run_record is not None
+        if self.role == "inference" and not self.inference.trusted_trainers and not owned:
             raise ValueError(
-                "inference.trusted_trainers is not set: an inference peer accepts policy weights only from "
-                "trusted trainers; pass --trusted-trainers FILE (see docs/trust.md)"
+                "no trusted trainers: an inference peer accepts policy weights only from the run's trainers; "
+                "join with --join RUN:OWNER@MADDRS, or pass --trusted-trainers FILE (see docs/trust.md)"
+            )
+        section = self.inference if self.role == "inference" else self.trainer
+        if owned and section.trusted_trainers:
+            raise ValueError(
+                "give either a run owner (--join / --run-record) or --trusted-trainers, not both: the run "
+                "record lists the trainers"
             )
         if self.record_ttl is None:
             object.__setattr__(self, "record_ttl", 3 * self.heartbeat_period)
@@ -347,6 +370,11 @@ class BootstrapConfig(StrictModel):
     )
     maddrs_file: str | None = Field(
         default=None, description="Write the visible multiaddrs here, one per line"
+    )
+    run_record: str | None = Field(
+        default=None,
+        description="A signed run record file (python -m echo_p2p.owner sign) to keep on the DHT: peers that "
+        "join with the run owner's address find the run's trainers through it",
     )
     run_ids: list[str] = Field(
         default_factory=list, description="Runs whose records this node also schema-validates (optional)"

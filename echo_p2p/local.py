@@ -101,6 +101,7 @@ class LocalSwarm:
             self.start_colocated()
             return
         maddrs_file = self.workdir / "bootstrap.maddrs"
+        run_record, owner = self.make_run_record()
         boot = self._spawn(
             "bootstrap",
             "-m",
@@ -109,8 +110,8 @@ class LocalSwarm:
             LOOPBACK,
             "--maddrs-file",
             str(maddrs_file),
-            "--run-id",
-            self.config.run_id,
+            "--run-record",
+            str(run_record),
         )
         deadline = time.monotonic() + timeout
         while not maddrs_file.exists():
@@ -119,11 +120,8 @@ class LocalSwarm:
             if self.stop_event.wait(0.1):
                 return
         self.bootstrap_maddr = maddrs_file.read_text().split()[0]
+        self.join_address = f"{self.config.run_id}:{owner}@{self.bootstrap_maddr}"
         common = [
-            "--run-id",
-            self.config.run_id,
-            "--initial-peers",
-            self.bootstrap_maddr,
             "--host-maddrs",
             LOOPBACK,
             "--mode",
@@ -142,11 +140,12 @@ class LocalSwarm:
             *self._model_flags(),
             *self.config.extra_peer_args,
         ]
-        trusted = self.make_trainer_identities()
         for i in range(self.config.trainers):
             self._spawn(
                 f"trainer-{i}",
                 *("-m", "echo_p2p.peer", "--role", "trainer", *common),
+                *("--run-id", self.config.run_id, "--initial-peers", self.bootstrap_maddr),
+                *("--run-record", str(run_record)),
                 *("--identity-path", str(self.workdir / "identities" / f"trainer-{i}.id")),
                 *("--checkpoint-dir", str(self.workdir / "checkpoints" / f"trainer-{i}")),
             )
@@ -154,7 +153,7 @@ class LocalSwarm:
             self._spawn(
                 f"inference-{i}",
                 *("-m", "echo_p2p.peer", "--role", "inference", *common),
-                *("--trusted-trainers", str(trusted), "--seed", str(1000 + i)),
+                *("--join", self.join_address, "--seed", str(1000 + i)),
                 nice=self.config.inference_nice,
             )
 
@@ -188,6 +187,32 @@ class LocalSwarm:
         path = self.workdir / "trusted-trainers.txt"
         path.write_text("\n".join(lines) + "\n")
         return path
+
+    def make_run_record(self) -> tuple[Path, str]:
+        """Sign the run record (its trainers, model, task, mode) with a run-owner identity of this local run,
+        as ``python -m echo_p2p.owner sign`` does; returns the record file and the owner's peer id."""
+        from echo_p2p.net import run_record
+        from echo_p2p.net.identity import load_or_create_identity
+        from echo_p2p.transport.trust import TrustedTrainers
+
+        trainers = TrustedTrainers.from_file(self.make_trainer_identities())
+        owner = load_or_create_identity(str(self.workdir / "identities" / "owner.id"))
+        now = time.time()
+        record = run_record.RunRecord(
+            run_id=self.config.run_id,
+            owner_key=owner.public_key_bytes().decode(),
+            trainers=sorted(trainers.peer_ids),
+            serial=int(now),
+            issued_at=now,
+            expires_at=now + 30 * 86400,
+            model=self.config.model,
+            task=self.config.task,
+            mode=self.config.mode,
+            note="a local run (python -m echo_p2p.local)",
+        )
+        path = self.workdir / "run-record.bin"
+        run_record.write_file(path, *run_record.sign(record, owner))
+        return path, owner.peer_id
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]

@@ -32,6 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--role", choices=["inference", "trainer"], default=None, help="the peer's role (env ECHO_ROLE)"
     )
     parser.add_argument("--run-id", default=None, help="name of the run to join (env ECHO_RUN_ID)")
+    parser.add_argument(
+        "--join",
+        metavar="RUN:OWNER@MADDRS",
+        default=None,
+        help="one address to join a run: its id, the owner key's peer id and bootstrap multiaddrs "
+        "(comma-separated); trust follows the owner's signed run record (docs/trust.md)",
+    )
+    parser.add_argument(
+        "--run-record",
+        metavar="FILE",
+        default=None,
+        help="the owner's signed run record (python -m echo_p2p.owner sign): kept on the DHT by this peer",
+    )
     parser.add_argument("--config", metavar="FILE", default=None, help="YAML config file (see peers/*.yaml)")
     parser.add_argument(
         "--mode", choices=["sync", "async"], default=None, help="sync: sequential pull; async: push-pull"
@@ -60,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trusted-trainers",
         metavar="FILE",
         default=None,
-        help="keys of the trainers whose weights this peer accepts (env ECHO_TRUSTED_TRAINERS; docs/trust.md)",
+        help="keys of the run's trainers, for runs without an owner: whose weights an inference peer accepts, "
+        "among whom trainers elect the publisher (env ECHO_TRUSTED_TRAINERS; docs/trust.md)",
     )
     inf.add_argument(
         "--prompts-per-batch", type=int, default=None, help="async: prompts sampled together (default 16)"
@@ -119,6 +133,8 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "run.temperature": args.temperature,
         "run.max_new_tokens": args.max_new_tokens,
         "inference.trusted_trainers": args.trusted_trainers,
+        "trainer.trusted_trainers": args.trusted_trainers,
+        "run_record": args.run_record,
         "inference.engine": args.engine,
         "inference.prompts_per_batch": args.prompts_per_batch,
         "trainer.checkpoint_dir": args.checkpoint_dir,
@@ -144,6 +160,20 @@ def parse_config(argv: list[str] | None = None, environ=None):
     for section in ("inference", "trainer"):
         flags[f"{section}.threads"] = args.threads
         flags[f"{section}.seed"] = args.seed
+    if args.join is not None:
+        from echo_p2p.config import ConfigError
+        from echo_p2p.net.run_record import JoinAddress
+
+        try:
+            join = JoinAddress.parse(args.join)
+        except ValueError as exc:
+            raise ConfigError(f"--join: {exc}") from None
+        if args.run_id is not None and args.run_id != join.run_id:
+            raise ConfigError(f"--run-id {args.run_id} differs from the run of --join ({join.run_id})")
+        flags["run_id"] = join.run_id
+        flags["run_owner"] = join.owner
+        if not flags.get("network.initial_peers"):
+            flags["network.initial_peers"] = list(join.initial_peers)
     return build_config(
         PeerConfig, yaml_path=args.config, environ=os.environ if environ is None else environ, flags=flags
     )
@@ -166,13 +196,23 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(argv)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
-    if config.role == "inference":
-        from echo_p2p.transport.trust import TrustedTrainers, TrustFileError
+    from echo_p2p.transport.trust import TrustedTrainers, TrustFileError
 
+    section = config.inference if config.role == "inference" else config.trainer
+    if section.trusted_trainers:
         try:
-            TrustedTrainers.from_file(os.path.expanduser(config.inference.trusted_trainers))
+            TrustedTrainers.from_file(os.path.expanduser(section.trusted_trainers))
         except (TrustFileError, OSError) as exc:
             fail(f"--trusted-trainers: {exc}", EXIT_CONFIG)
+    if config.run_record:
+        from echo_p2p.net.run_record import read_file
+
+        try:
+            record, _, _ = read_file(config.run_record)
+        except ValueError as exc:
+            fail(f"--run-record: {exc}", EXIT_CONFIG)
+        if record.run_id != config.run_id or config.run_owner not in (None, record.owner_peer_id()):
+            fail(f"--run-record: {config.run_record} is not a record of this run and owner", EXIT_CONFIG)
     from echo_p2p.logs import setup_logging
 
     setup_logging(config.log_level)

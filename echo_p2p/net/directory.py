@@ -27,6 +27,7 @@ from echo_p2p.net.records import (
     PolicyRecord,
     ProviderRecord,
     RecordError,
+    SignedRunRecord,
     WireRecord,
     is_owner_subkey,
 )
@@ -67,6 +68,10 @@ class SwarmDirectory:
         """Store this publisher's newest-policy pointer (subkey: its own key) for ``ttl`` seconds."""
         return self._store(self.keys.policy, record, ttl, timeout)
 
+    def announce_run_record(self, record: SignedRunRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Re-store the run owner's signed record (subkey: this peer's key) for ``ttl`` seconds."""
+        return self._store(self.keys.run, record, ttl, timeout)
+
     def _store(self, key: str, record: WireRecord, ttl: float, timeout: float | None = None) -> bool:
         from hivemind.utils import get_dht_time
 
@@ -97,6 +102,10 @@ class SwarmDirectory:
         """Every valid, unexpired publisher record (trust is the caller's business), newest version first."""
         entries = self._read(self.keys.policy, PolicyRecord)
         return sorted(entries, key=lambda e: (-e.record.version, -e.record.updated_at))
+
+    def run_records(self) -> list[Entry[SignedRunRecord]]:
+        """Every stored copy of a signed run record (signatures are the caller's business: ``run_record``)."""
+        return self._read(self.keys.run, SignedRunRecord)
 
     def _read(self, key: str, cls: type[R]) -> list[Entry[R]]:
         from hivemind.utils import get_dht_time

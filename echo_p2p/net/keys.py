@@ -55,6 +55,11 @@ class SwarmKeys:
         """Dictionary key: one subkey per peer, value = the policy versions it holds completely and serves."""
         return f"{self.prefix}/providers"
 
+    @property
+    def run(self) -> str:
+        """Dictionary key: one subkey per peer that re-stores it, value = the owner's signed run record."""
+        return f"{self.prefix}/run"
+
     def all_keys(self) -> dict[str, str]:
         """Name -> raw key, for every key of the run (used to build the DHT schema validator)."""
-        return {"peers": self.peers, "policy": self.policy, "providers": self.providers}
+        return {"peers": self.peers, "policy": self.policy, "providers": self.providers, "run": self.run}

@@ -2,7 +2,7 @@
 
 Owned here: the pydantic schemas of the records that peers announce (``PeerRecord``,
 ``ProviderRecord``, ``PolicyRecord``), the rule for unknown fields and other protocol versions, and the
-hivemind ``SchemaValidator`` that every echo_p2p node runs so that malformed records are refused at store
+hivemind validators that every echo_p2p node runs so that malformed records are refused at store
 time and at read time. Records are stored as plain msgpack maps (``record.to_wire()``); parsing ignores
 unknown fields so that newer peers can add fields. Callers: ``directory.py`` and the transports. No network I/O.
 """
@@ -189,6 +189,21 @@ class PolicyRecord(WireRecord):
     updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
 
 
+MAX_RUN_RECORD_BYTES = 16 * 1024
+MAX_SIGNATURE_BYTES = 1024
+
+
+class SignedRunRecord(WireRecord):
+    """Under ``SwarmKeys.run`` (subkey: the storer's key): the run owner's signed ``RunRecord``, re-stored by
+    any peer that holds it; readers verify the owner's signature themselves (``echo_p2p.net.run_record``)."""
+
+    peer_id: str = Field(max_length=128, description="Peer id of the peer that stored it (not the owner)")
+    record: bytes = Field(max_length=MAX_RUN_RECORD_BYTES, description="RunRecord.to_bytes()")
+    signature: bytes = Field(
+        max_length=MAX_SIGNATURE_BYTES, description="The owner's signature of the record"
+    )
+
+
 class _DhtValue:
     """A pydantic-v1 type for hivemind's SchemaValidator: checks a value against one of our v2 records.
 
@@ -228,6 +243,7 @@ def schema_validator(keys: SwarmKeys):
         keys.peers: (dict[owner, _value_type(PeerRecord)], None),
         keys.providers: (dict[owner, _value_type(ProviderRecord)], None),
         keys.policy: (dict[owner, _value_type(PolicyRecord)], None),
+        keys.run: (dict[owner, _value_type(SignedRunRecord)], None),
     }
     schema = pydantic_v1.create_model(f"EchoSchema_{keys.protocol}", **fields)
     return SchemaValidator(schema, allow_extra_keys=True)

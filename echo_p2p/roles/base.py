@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -19,13 +20,16 @@ from echo_p2p import PROTOCOL_VERSION, __version__
 from echo_p2p.config import PeerConfig
 from echo_p2p.logs import status_prefix
 from echo_p2p.metrics import MetricsWriter
-from echo_p2p.net.directory import SwarmDirectory
+from echo_p2p.net.directory import SwarmDirectory, wait_for
 from echo_p2p.net.identity import Identity, load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht, visible_maddrs
-from echo_p2p.net.records import PeerRecord
+from echo_p2p.net.records import PeerRecord, SignedRunRecord
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a peer that joined with the run owner's address waits at start for the owner's run record.
+RUN_RECORD_WAIT = 30.0
 
 #: Deadline (s) of the last announcement a leaving peer makes. Its record keeps the normal lifetime: the DHT
 #: replaces a record only with one that expires later, so a shorter-lived "leaving" record would be ignored.
@@ -52,6 +56,8 @@ class BasePeer:
         self.maddrs: list[str] = []
         self.announcements_failed = 0
         self.exit_code = 0  # what the CLI exits with once the peer stopped (a role sets 1 on a fatal error)
+        self.trust = None  # transport.trust.RunTrust: whom this peer takes for the run's trainers
+        self._signed_run_record: SignedRunRecord | None = None  # the owner's record, if this peer keeps it
         self._announcer: threading.Thread | None = None
         self._shutdown_done = False
         self._lock = threading.Lock()
@@ -91,6 +97,14 @@ class BasePeer:
             self.dht, self.keys, self.identity, self.config.network.request_timeout
         )
         self.maddrs = visible_maddrs(self.dht)
+        self.trust = self._make_trust()
+        self._keep_run_record()
+        if self.trust.owner is not None and not wait_for(self.refresh_trust, RUN_RECORD_WAIT, period=1.0):
+            logger.warning(
+                "%s no run record of owner %s found yet: no trainer is trusted until one arrives",
+                self.prefix(),
+                self.trust.owner,
+            )
         self.announce()
         self.on_start()
         logger.info(
@@ -135,6 +149,66 @@ class BasePeer:
         self.identity.cleanup()
         logger.info("%s left the run", self.prefix())
 
+    # ---- trust: whom this peer takes for the run's trainers -------------------------------------------------
+    def _make_trust(self):
+        """A ``RunTrust`` from the config: the run owner's record (``--join`` / ``--run-record``), else the
+        trusted-trainers file, else none (a trainer of a run that declares no trainers)."""
+        from echo_p2p.net.run_record import read_file
+        from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+        config = self.config
+        owner = config.run_owner
+        if config.run_record:
+            record, record_bytes, signature = read_file(config.run_record)
+            owner = owner or record.owner_peer_id()
+            self._signed_run_record = SignedRunRecord(
+                peer_id=self.peer_id, record=record_bytes, signature=signature
+            )
+        if owner is not None:
+            trust = RunTrust(owner=owner, run_id=config.run_id)
+            if self._signed_run_record is not None and trust.update([self._signed_run_record]):
+                self._check_run_settings(trust.record)
+            return trust
+        section = config.inference if self.role == "inference" else config.trainer
+        path = section.trusted_trainers
+        return RunTrust(fixed=TrustedTrainers.from_file(path) if path else None)
+
+    def _keep_run_record(self) -> None:
+        """Re-store the owner's signed run record under this peer's key (peers given ``--run-record``)."""
+        if self._signed_run_record is not None:
+            self.directory.announce_run_record(self._signed_run_record, self.config.record_ttl)
+
+    def refresh_trust(self) -> bool:
+        """Apply the newest valid run record of the owner found on the DHT; True when one is in force."""
+        if self.trust is None or self.trust.owner is None:
+            return True
+        if self.trust.update(entry.record for entry in self.directory.run_records()):
+            logger.info("%s trusts %s", self.prefix(), self.trust.describe())
+            self._check_run_settings(self.trust.record)
+        return self.trust.record is not None
+
+    def _check_run_settings(self, record) -> None:
+        """A run record says what the run trains: a peer configured for something else must not take part."""
+        run = self.config.run
+        model = run.model.preset or os.path.basename(str(run.model.gguf_file or run.model.path or ""))
+        wrong = [
+            f"{name} {theirs!r} (this peer: {ours!r})"
+            for name, theirs, ours in (
+                ("model", record.model, model),
+                ("task", record.task, run.task),
+                ("mode", record.mode, self.config.mode),
+            )
+            if theirs is not None and theirs != ours
+        ]
+        if wrong:
+            message = f"the run record of {record.run_id} says " + ", ".join(wrong)
+            if self.directory is not None and self._announcer is not None:  # found while running: stop
+                logger.error("%s %s; leaving the run", self.prefix(), message)
+                self.exit_code = 1
+                self.stop_event.set()
+            else:
+                raise ValueError(message)
+
     # ---- announcements ------------------------------------------------------------------------------
     def prefix(self) -> str:
         return status_prefix(self.peer_id, self.role, self.policy_version)
@@ -168,6 +242,8 @@ class BasePeer:
         next_metrics = time.monotonic()
         while not self.stop_event.wait(self.config.heartbeat_period):
             try:
+                self._keep_run_record()
+                self.refresh_trust()
                 self.on_heartbeat()
                 self.announce()
                 if time.monotonic() >= next_metrics:

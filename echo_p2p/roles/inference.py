@@ -53,7 +53,6 @@ class InferencePeer(BasePeer):
         from echo_p2p.tasks import build_task
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollout_config import rollout_namespace
-        from echo_p2p.transport.trust import TrustedTrainers
         from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
 
         run, section = self.config.run, self.section
@@ -61,7 +60,6 @@ class InferencePeer(BasePeer):
             import torch
 
             torch.set_num_threads(section.threads)
-        trusted = TrustedTrainers.from_file(section.trusted_trainers)
         self.task = build_task(run.task, run.task_options)
         self.params = run.sampling_params(self.task.max_new_tokens)
         if section.engine == "vllm":
@@ -78,7 +76,7 @@ class InferencePeer(BasePeer):
             self.dht,
             self.identity,
             self.keys,
-            trusted,
+            self.trust,
             FetcherConfig(serve=section.serve_weights, poll_period=section.weights_poll_period),
             on_progress=self.on_weights_progress,
         ).start()
@@ -87,7 +85,9 @@ class InferencePeer(BasePeer):
         if self.config.mode == "async":
             from echo_p2p.transport.rollout_push import RolloutPusher
 
-            self.pusher = RolloutPusher(self.loop, self.directory, section.pusher, namespace)
+            self.pusher = RolloutPusher(
+                self.loop, self.directory, section.pusher, namespace, is_trusted=self.trust.is_trusted
+            )
             self.pusher.on_trainer_version = self._on_trainer_version
             self.pusher.start()
             self.fetcher.follow(on_update=self._load)
@@ -99,6 +99,7 @@ class InferencePeer(BasePeer):
                 self._ensure_version,
                 self._sample_for_request,
                 section.sample_server,
+                is_allowed=self.trust.is_trusted,  # only the run's trainers may ask for samples
             )
             self.loop.add_servicer(self.sample_server, namespace)
 
@@ -268,6 +269,7 @@ class InferencePeer(BasePeer):
                 rollouts_sent=push["sent"],
                 rollouts_acked=push["acked"],
                 rollouts_rejected=push["rejected"],
+                untrusted_trainers_skipped=push["untrusted_trainers_skipped"],
                 seconds_waiting_for_room=push["seconds_waiting_for_room"],
                 outbox=push["outbox"],
                 stale_waits=self.stale_waits,
@@ -284,7 +286,11 @@ class InferencePeer(BasePeer):
     def _version_lag(self) -> int | None:
         try:
             newest = max(
-                (e.record.policy_version or 0 for e in self.directory.peers() if e.record.role == "trainer"),
+                (
+                    e.record.policy_version or 0
+                    for e in self.directory.peers()
+                    if e.record.role == "trainer" and self.trust.is_trusted(e.record.peer_id)
+                ),
                 default=None,
             )
         except Exception:

@@ -177,6 +177,18 @@ class TrainerPeer(BasePeer):
 
             self.buffer = None
             self.sample_client = SampleClient(self.loop, self.directory, section.sample_client, namespace)
+        if not self.trust.configured:
+            logger.warning(
+                "%s the run declares no trainers (no run record, no --trusted-trainers): any peer that "
+                "announces itself a trainer takes part in the publisher election",
+                self.prefix(),
+            )
+        elif not self.trust.is_trusted(self.peer_id):
+            logger.warning(
+                "%s is not one of the run's trainers (%s): it trains but never publishes",
+                self.prefix(),
+                self.trust.describe(),
+            )
         self._update_publisher_role(log=True)
         self._maybe_publish()
         self.announce()
@@ -333,12 +345,22 @@ class TrainerPeer(BasePeer):
 
     # ---- publishing and checkpoints ---------------------------------------------------------------------
     def _choose_publisher(self) -> bool:
-        """The running trainer with the smallest peer id publishes; ties broken the same way everywhere."""
+        """The running trusted trainer with the smallest peer id publishes; ties broken the same way everywhere.
+
+        Trusted: listed by the run record or the trusted-trainers file (``self.trust``); a record that only
+        says ``role: trainer`` takes no part, so an impostor (or a ghost record it left) cannot silence the
+        run's publisher. A trainer that is not trusted itself never publishes.
+        """
+        trust = self.trust
+        if trust is not None and not trust.is_trusted(self.peer_id):
+            return False
         try:
             trainers = [
                 e.record.peer_id
                 for e in self.directory.peers()
-                if e.record.role == "trainer" and e.record.state == "running"
+                if e.record.role == "trainer"
+                and e.record.state == "running"
+                and (trust is None or trust.is_trusted(e.record.peer_id))
             ]
         except Exception:
             trainers = []

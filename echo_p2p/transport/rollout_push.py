@@ -56,13 +56,21 @@ class RolloutPusher:
     """Inference side of the async push: a bounded outbox and a sender thread (see the module doc).
 
     ``directory`` is anything with ``peers() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``). The
-    sampling thread calls ``submit``; ``start``/``shutdown`` bracket the sender thread.
+    sampling thread calls ``submit``; ``start``/``shutdown`` bracket the sender thread. ``is_trusted``
+    (``peer_id -> bool``, e.g. ``RunTrust.is_trusted``): only trainers it accepts are ever pushed to; a peer
+    that merely announces ``role: trainer`` gets nothing (counted ``untrusted_trainers_skipped``).
     """
 
     def __init__(
-        self, loop: P2PLoop, directory, config: PusherConfig | None = None, namespace: str | None = None
+        self,
+        loop: P2PLoop,
+        directory,
+        config: PusherConfig | None = None,
+        namespace: str | None = None,
+        is_trusted: Callable[[str], bool] | None = None,
     ) -> None:
         self.loop = loop
+        self.is_trusted = is_trusted
         self.directory = directory
         self.config = config or PusherConfig()
         self.namespace = namespace
@@ -155,6 +163,7 @@ class RolloutPusher:
             return {
                 **{k: self.counters[k] for k in ("submitted", "sent", "acked", "duplicates", "resent")},
                 "failed_pushes": self.counters["failed_pushes"],
+                "untrusted_trainers_skipped": self.counters["untrusted_trainers_skipped"],
                 "rejected": dict(self.rejected),
                 "outbox": self._held(),
                 "seconds_waiting_for_room": round(self.seconds_waiting_for_room, 3),
@@ -313,6 +322,9 @@ class RolloutPusher:
             if record.role != "trainer" or record.accepts_rollouts is not True or record.state != "running":
                 continue
             if record.peer_id == own or record.peer_id in seen:
+                continue
+            if self.is_trusted is not None and not self.is_trusted(record.peer_id):
+                self.counters["untrusted_trainers_skipped"] += 1  # an impostor: never given rollouts
                 continue
             room = record.free_buffer_room if record.free_buffer_room is not None else 1
             known = self._trainers.get(record.peer_id)

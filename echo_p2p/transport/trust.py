@@ -10,13 +10,17 @@ File format: one entry per line; ``#`` starts a comment; blank lines are ignored
 OpenSSH RSA public key (``ssh-rsa AAAA... [comment]``, what ``python -m echo_p2p.transport.trust
 IDENTITY_FILE`` prints for a trainer) or a libp2p peer id (``Qm...``/``12D3...``, base58). A peer id pins
 the key just as well, because the peer id is the hash of the key and every manifest carries its key.
-Callers: ``WeightFetcher`` (inference peers), the peer CLI (loads the file), tests. Must not do network I/O.
+``RunTrust`` is what peers hold: that file, or the run owner's signed run record (``echo_p2p.net.run_record``),
+refreshed by the caller from the directory. Callers: ``WeightFetcher`` and ``RolloutPusher`` (inference
+peers), the trainer's publisher election, ``swarm status``, tests. Must not do network I/O.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +91,76 @@ class TrustedTrainers:
 
     def __len__(self) -> int:
         return len(self.peer_ids)
+
+
+class RunTrust:
+    """Whom a peer trusts as the run's trainers now: a fixed list (a trusted-trainers file) or the trainers of
+    the newest valid run record signed by the run's owner (``echo_p2p.net.run_record``), which ``update``
+    replaces when a record with a higher serial appears (a record that expires trusts nobody any more).
+    ``is_trusted`` is all the transports ask; an unconfigured ``RunTrust`` (neither) trusts everyone, for
+    trainers of runs that declare no trainers (``configured`` False; the trainer logs it)."""
+
+    def __init__(
+        self, fixed: TrustedTrainers | None = None, owner: str | None = None, run_id: str | None = None
+    ) -> None:
+        if owner is not None and run_id is None:
+            raise ValueError("a run owner needs the run id its record declares")
+        self.fixed = fixed
+        self.owner = owner
+        self.run_id = run_id
+        self.record = None  # the RunRecord in force (owner mode)
+        self.refused: Counter[str] = Counter()  # run records refused, by reason
+
+    @property
+    def configured(self) -> bool:
+        return self.fixed is not None or self.owner is not None
+
+    def is_trusted(self, peer_id: str) -> bool:
+        if self.fixed is not None:
+            return self.fixed.is_trusted(peer_id)
+        if self.owner is None:
+            return True
+        record = self.record
+        return record is not None and record.expires_at > time.time() and peer_id in record.trainers
+
+    def trainers(self) -> frozenset[str] | None:
+        """The trusted peer ids now (None: everyone, unconfigured)."""
+        if self.fixed is not None:
+            return self.fixed.peer_ids
+        if self.owner is None:
+            return None
+        record = self.record
+        return (
+            frozenset(record.trainers)
+            if record is not None and record.expires_at > time.time()
+            else frozenset()
+        )
+
+    def update(self, signed: Iterable, now: float | None = None) -> bool:
+        """Apply the newest valid record among ``signed`` (``SignedRunRecord``s) if it is newer than the one in
+        force; True when the trusted set changed."""
+        if self.owner is None:
+            return False
+        from echo_p2p.net.run_record import newest_valid
+
+        best, refused = newest_valid(signed, self.run_id, self.owner, now)
+        self.refused.update(refused)
+        current = self.record
+        if best is None or (
+            current is not None and (best.serial, best.issued_at) <= (current.serial, current.issued_at)
+        ):
+            return False
+        self.record = best
+        return current is None or set(best.trainers) != set(current.trainers)
+
+    def describe(self) -> str:
+        if self.fixed is not None:
+            return f"{len(self.fixed)} trainer(s) from {self.fixed.source}"
+        if self.owner is None:
+            return "every trainer (no trusted trainers configured)"
+        if self.record is None:
+            return f"no run record of owner {self.owner} yet"
+        return f"{len(self.record.trainers)} trainer(s) of run record serial {self.record.serial} (owner {self.owner})"
 
 
 def parse_entry(text: str) -> str:

@@ -95,3 +95,48 @@ def test_colocated_smollm2_takes_the_preset_learning_rate():
     assert config_from_args(parse_args(["--model", "smollm2"])).grpo.lr == 1e-6
     assert config_from_args(parse_args([])).grpo.lr == 2e-3
     assert config_from_args(parse_args(["--model", "smollm2", "--lr", "1e-5"])).grpo.lr == 1e-5
+
+
+def test_join_sets_run_owner_and_initial_peers_and_needs_nothing_else(tmp_path):
+    owner = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"
+    config = parse_config(["--role", "inference", "--join", f"demo:{owner}@{MADDR}"], environ={})
+    assert (config.run_id, config.run_owner, config.network.initial_peers) == ("demo", owner, [MADDR])
+    with pytest.raises(ConfigError, match="differs"):
+        parse_config(["--role", "inference", "--run-id", "x", "--join", f"demo:{owner}@{MADDR}"], environ={})
+    with pytest.raises(ConfigError, match="--join"):
+        parse_config(["--role", "inference", "--join", f"demo@{MADDR}"], environ={})
+    trusted = tmp_path / "t.txt"
+    trusted.write_text(owner + "\n")
+    with pytest.raises(ConfigError, match="either"):
+        parse_config(
+            ["--role", "inference", "--join", f"demo:{owner}@{MADDR}", "--trusted-trainers", str(trusted)],
+            environ={},
+        )
+    # an inference peer with no trust source at all is refused
+    with pytest.raises(ConfigError, match="no trusted trainers"):
+        parse_config(["--role", "inference", "--run-id", "r", "--initial-peers", MADDR], environ={})
+
+
+def test_local_swarm_signs_a_run_record_of_its_trainers(tmp_path):
+    from echo_p2p.net.run_record import read_file
+
+    swarm = LocalSwarm(LocalSwarmConfig(trainers=2, workdir=str(tmp_path)))
+    path, owner = swarm.make_run_record()
+    record, _, _ = read_file(path)
+    assert record.owner_peer_id() == owner and len(record.trainers) == 2
+    assert (record.run_id, record.model, record.task, record.mode) == (
+        swarm.config.run_id,
+        swarm.config.model,
+        swarm.config.task,
+        swarm.config.mode,
+    )
+
+
+@pytest.mark.parametrize("name", ["inference-gpu", "inference-cpu"])
+def test_shipped_inference_configs_join_with_one_address(name):
+    from pathlib import Path
+
+    owner = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"
+    path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.yaml"
+    config = parse_config(["--config", str(path), "--join", f"demo:{owner}@{MADDR}"], environ={})
+    assert config.role == "inference" and config.run_owner == owner and config.inference.trusted_trainers is None

@@ -1,0 +1,214 @@
+"""The run record: the run owner's signed statement of which keys are the run's trainers.
+
+An open run lets anyone announce a ``PeerRecord`` with ``role: trainer``; whom to push rollouts to, whom to
+elect as the publisher and whose weights to apply cannot depend on that. The run's owner (the person who
+starts the run; a key of its own, usually kept off the trainers) signs one ``RunRecord``: the run id, the
+trainers' peer ids, what the run trains (model, task, mode), a serial number and an expiry. Peers join
+with one address (``JoinAddress``: run id, the owner key's peer id, bootstrap multiaddrs) and trust
+exactly the trainers of the newest valid record signed by that key.
+
+The signed record travels as a ``SignedRunRecord`` under ``SwarmKeys.run``: any peer holding the record file
+(the bootstrap, the trainers) re-stores it under its own subkey, and readers check the owner's signature
+themselves, so a stranger can store garbage there (one record per key, like every directory key) but
+cannot forge or hide a valid one. A newer serial replaces an older one; an expired record trusts nobody.
+
+Owned here: the schemas, canonical bytes, signing and verification, choosing the newest valid record, the
+join address, and the record file (written by ``python -m echo_p2p.owner sign``). No network I/O: the
+directory stores and reads the ``SignedRunRecord``s, ``transport.trust.RunTrust`` applies them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from echo_p2p.net.keys import validate_run_id
+from echo_p2p.net.records import MAX_RUN_RECORD_BYTES as MAX_RECORD_BYTES
+from echo_p2p.net.records import MAX_SIGNATURE_BYTES, MAX_STR, SignedRunRecord
+
+#: Signatures over run records carry this prefix (a signature made for a manifest cannot be replayed here).
+SIGNING_DOMAIN = b"echo_p2p/run/v1\x00"
+MAX_TRAINERS = 64
+_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
+
+#: Reasons ``verify`` returns (also counter names).
+MALFORMED = "malformed"
+BAD_OWNER_KEY = "bad_owner_key"
+WRONG_OWNER = "wrong_owner"
+BAD_SIGNATURE = "bad_signature"
+WRONG_RUN = "wrong_run"
+EXPIRED = "expired"
+
+
+class RunRecord(BaseModel):
+    """What the run owner signs."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    run_id: str = Field(max_length=64, description="The run this record declares")
+    owner_key: str = Field(max_length=2048, description="The owner's OpenSSH RSA public key (ssh-rsa ...)")
+    trainers: list[str] = Field(
+        min_length=1, max_length=MAX_TRAINERS, description="Peer ids of the run's trainers"
+    )
+    serial: int = Field(ge=0, description="A newer record of the same owner has a higher serial")
+    issued_at: float = Field(description="Wall-clock time of signing")
+    expires_at: float = Field(description="Wall-clock time after which the record trusts nobody")
+    model: str | None = Field(default=None, max_length=128, description="Model preset or name the run trains")
+    task: str | None = Field(default=None, max_length=64, description="Task the run trains on")
+    mode: Literal["sync", "async"] | None = Field(default=None, description="Synchronisation mode")
+    note: str = Field(default="", max_length=MAX_STR, description="Free text for people (who runs it)")
+
+    @field_validator("trainers")
+    @classmethod
+    def _peer_ids(cls, value: list[str]) -> list[str]:
+        for peer_id in value:
+            if not isinstance(peer_id, str) or not _PEER_ID_RE.match(peer_id):
+                raise ValueError("a trainer must be a base58 peer id")
+        return value
+
+    @field_validator("issued_at", "expires_at")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("times must be finite")
+        return value
+
+    def signing_payload(self) -> bytes:
+        return SIGNING_DOMAIN + self.to_bytes()
+
+    def to_bytes(self) -> bytes:
+        body = self.model_dump(mode="python")
+        return msgpack.packb({k: body[k] for k in sorted(body)}, use_bin_type=True)
+
+    def owner_peer_id(self) -> str:
+        return peer_id_of_key(self.owner_key)
+
+
+def peer_id_of_key(owner_key: str) -> str:
+    """Peer id of an OpenSSH RSA public key (``ValueError`` on a bad key)."""
+    from hivemind.utils.crypto import RSAPublicKey
+
+    from echo_p2p.net.identity import peer_id_from_rsa
+
+    try:
+        return peer_id_from_rsa(RSAPublicKey.from_bytes(owner_key.encode()))
+    except Exception as exc:  # cryptography raises several types on garbage
+        raise ValueError(f"not an OpenSSH RSA public key ({type(exc).__name__})") from None
+
+
+def sign(record: RunRecord, owner_identity) -> tuple[bytes, bytes]:
+    """``(record bytes, signature)`` signed with the owner's identity (whose key must be ``owner_key``)."""
+    if owner_identity.public_key_bytes().decode() != record.owner_key:
+        raise ValueError("the record's owner_key is not this identity's key")
+    return record.to_bytes(), owner_identity.private_key.sign(record.signing_payload())
+
+
+def verify(
+    record_bytes: bytes, signature: bytes, run_id: str, owner: str, now: float | None = None
+) -> RunRecord | str:
+    """The record if ``owner`` (a peer id) signed it for ``run_id`` and it has not expired, else the reason."""
+    from hivemind.utils.crypto import RSAPublicKey
+
+    try:
+        if len(record_bytes) > MAX_RECORD_BYTES or len(signature) > MAX_SIGNATURE_BYTES:
+            return MALFORMED
+        body = msgpack.unpackb(record_bytes, raw=False, strict_map_key=True)
+        record = RunRecord.model_validate(body)
+    except (
+        ValueError,
+        ValidationError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ):
+        return MALFORMED
+    try:
+        key = RSAPublicKey.from_bytes(record.owner_key.encode())
+        key_owner = peer_id_of_key(record.owner_key)
+    except Exception:
+        return BAD_OWNER_KEY
+    if key_owner != owner:
+        return WRONG_OWNER
+    if record.to_bytes() != record_bytes or not key.verify(record.signing_payload(), signature):
+        return BAD_SIGNATURE
+    if record.run_id != run_id:
+        return WRONG_RUN
+    if record.expires_at <= (time.time() if now is None else now):
+        return EXPIRED
+    return record
+
+
+def newest_valid(
+    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None
+) -> tuple[RunRecord | None, dict[str, int]]:
+    """The valid record with the highest serial (then the latest issue time) and the refusals by reason."""
+    best: RunRecord | None = None
+    refused: dict[str, int] = {}
+    for item in signed:
+        result = verify(item.record, item.signature, run_id, owner, now)
+        if isinstance(result, str):
+            refused[result] = refused.get(result, 0) + 1
+            continue
+        if best is None or (result.serial, result.issued_at) > (best.serial, best.issued_at):
+            best = result
+    return best, refused
+
+
+# ---- the join address ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JoinAddress:
+    """``RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...]``: everything a peer needs to join a run and trust it."""
+
+    run_id: str
+    owner: str
+    initial_peers: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> JoinAddress:
+        head, sep, tail = text.strip().partition("@")
+        run_id, colon, owner = head.partition(":")
+        if not sep or not colon:
+            raise ValueError(f"a join address is RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...], got {text[:80]!r}")
+        validate_run_id(run_id)
+        if not _PEER_ID_RE.match(owner):
+            raise ValueError(f"{owner[:60]!r} is not a base58 peer id (the run owner's)")
+        maddrs = tuple(m for m in tail.split(",") if m)
+        if not maddrs or not all(m.startswith("/") for m in maddrs):
+            raise ValueError(
+                "a join address needs at least one multiaddr after '@' (e.g. /ip4/.../tcp/.../p2p/...)"
+            )
+        return cls(run_id, owner, maddrs)
+
+    def __str__(self) -> str:
+        return f"{self.run_id}:{self.owner}@{','.join(self.initial_peers)}"
+
+
+# ---- the record file -------------------------------------------------------------------------------------
+def write_file(path: str | Path, record_bytes: bytes, signature: bytes) -> None:
+    Path(path).write_bytes(msgpack.packb({"record": record_bytes, "signature": signature}, use_bin_type=True))
+
+
+def read_file(path: str | Path) -> tuple[RunRecord, bytes, bytes]:
+    """``(record, record bytes, signature)`` of a signed record file whose signature verifies with the key
+    inside it (``ValueError`` with the reason otherwise; an expired record is refused too)."""
+    try:
+        data = msgpack.unpackb(Path(path).expanduser().read_bytes(), raw=False)
+        record_bytes, signature = bytes(data["record"]), bytes(data["signature"])
+        record = RunRecord.model_validate(msgpack.unpackb(record_bytes, raw=False))
+    except OSError as exc:
+        raise ValueError(f"cannot read run record {path}: {exc.strerror or exc}") from None
+    except Exception as exc:
+        raise ValueError(f"{path} is not a signed run record ({type(exc).__name__})") from None
+    result = verify(record_bytes, signature, record.run_id, peer_id_of_key(record.owner_key))
+    if isinstance(result, str):
+        raise ValueError(f"run record {path} refused: {result}")
+    return result, record_bytes, signature

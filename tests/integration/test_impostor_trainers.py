@@ -1,0 +1,138 @@
+"""Roles are trusted, not announced: impostor and ghost trainers against a live run (real processes).
+
+The run is declared by its owner's signed run record (kept on the DHT by the bootstrap and the trainer);
+the inference peer joins with one address. A stranger runs a real trainer peer under its own key, whose
+peer id sorts below the run's trainer, and another one leaves a ``role: trainer`` record behind (a ghost).
+Before: the real trainer stood by for good (the publisher was elected among any "trainer" records) and an
+impostor that acks pushes swallowed the inference peer's rollouts. Now: the trusted trainer publishes,
+the inference peer follows it and never pushes to the impostor, and ``swarm status`` marks it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from echo_p2p.metrics import read_metrics
+from tests.conftest import read_log, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def last_line(metrics, role: str, key: str):
+    lines = [x for p in metrics.glob(f"{role}-*.jsonl") for x in read_metrics(str(p)) if key in x]
+    return lines[-1] if lines else None
+
+
+def identity_below(tmp_path, bound: str, name: str):
+    """A fresh identity whose peer id sorts below ``bound`` (what an attacker grinds keys for)."""
+    from echo_p2p.net.identity import load_or_create_identity
+
+    for i in range(200):
+        ident = load_or_create_identity(str(tmp_path / f"{name}-{i}.id"))
+        if ident.peer_id < bound:
+            return ident
+    raise AssertionError("no identity below the bound in 200 tries")
+
+
+def test_impostor_and_ghost_trainers_neither_publish_nor_receive_rollouts(procs, tmp_path):
+    from echo_p2p.config import NetworkConfig
+    from echo_p2p.net import run_record as rr
+    from echo_p2p.net.directory import SwarmDirectory
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.node import start_dht, stop_dht
+    from echo_p2p.net.records import MAX_RECORD_TTL, PeerRecord
+
+    run_id = "strangers"
+    owner = load_or_create_identity(str(tmp_path / "owner.id"))
+    trainer = load_or_create_identity(str(tmp_path / "trainer.id"))
+    impostor = identity_below(tmp_path, trainer.peer_id, "impostor")
+    ghost = identity_below(tmp_path, trainer.peer_id, "ghost")
+    now = time.time()
+    record = rr.RunRecord(
+        run_id=run_id,
+        owner_key=owner.public_key_bytes().decode(),
+        trainers=[trainer.peer_id],
+        serial=1,
+        issued_at=now,
+        expires_at=now + 3600,
+        model="tiny",
+        task="count",
+        mode="async",
+    )
+    record_file = tmp_path / "run.record"
+    rr.write_file(record_file, *rr.sign(record, owner))
+
+    _, maddr = procs.bootstrap("--run-record", str(record_file))
+    metrics = tmp_path / "metrics"
+    common = ("--threads", "1", "--metrics-dir", str(metrics), "--heartbeat-period", "1")
+    # the ghost: one trainer record, the longest lifetime a record may have, then its writer is gone
+    ghost_dht = start_dht(NetworkConfig(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"]), ghost)
+    try:
+        ghost_dir = SwarmDirectory(ghost_dht, SwarmKeys(run_id), ghost)
+        assert ghost_dir.announce(PeerRecord(peer_id=ghost.peer_id, role="trainer"), ttl=MAX_RECORD_TTL)
+    finally:
+        stop_dht(ghost_dht)
+    real = procs.peer(
+        "trainer", run_id, maddr, "--identity-path", trainer.path, "--run-record", str(record_file), *common
+    )
+    fake = procs.peer("trainer", run_id, maddr, "--identity-path", impostor.path, *common)
+    join = f"{run_id}:{owner.peer_id}@{maddr}"
+    inference = procs.start(
+        *(
+            "-m",
+            "echo_p2p.peer",
+            "--role",
+            "inference",
+            "--join",
+            join,
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+        ),
+        *common,
+        name="inference",
+    )
+
+    def followed() -> bool:
+        line = last_line(metrics, "inference", "rollouts_sent")
+        return bool(line) and (line.get("version") or 0) >= 5 and line["untrusted_trainers_skipped"] > 0
+
+    for proc in (real, fake, inference):
+        assert proc.poll() is None or proc.returncode == 0, read_log(proc)
+    wait_until(lambda: followed() or any(p.poll() is not None for p in (real, inference)), 200, what="v5")
+    assert real.poll() is None, read_log(real)
+    assert inference.poll() is None, read_log(inference)
+    assert followed(), read_log(inference)[-3000:]
+
+    real_log = read_log(real)
+    assert "publishes policy versions" in real_log and "stands by" not in real_log
+    assert "is not one of the run's trainers" not in real_log
+    # the impostor (a real trainer under its own key) got no rollout at all
+    fake_lines = [
+        x
+        for p in metrics.glob("trainer-*.jsonl")
+        for x in read_metrics(str(p))
+        if x.get("peer_id") == impostor.peer_id and "rollouts_consumed" in x
+    ]
+    assert fake_lines, "the impostor wrote no metrics"
+    assert all(x["rollouts_consumed"] == 0 for x in fake_lines)
+
+    status = subprocess.run(
+        [sys.executable, "-m", "echo_p2p.swarm", "status", "--join", join, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    assert status.returncode == 0, status.stderr
+    rows = {row["peer_id"]: row for row in json.loads(status.stdout)["peers"]}
+    assert rows[trainer.peer_id]["trusted"] is True
+    assert rows[impostor.peer_id]["trusted"] is False
+    assert rows[ghost.peer_id]["trusted"] is False  # its record outlives it, but it is marked for what it is
+    for ident in (owner, trainer, impostor, ghost):
+        ident.cleanup()

@@ -1,0 +1,112 @@
+"""The run owner's signed run record, the join address and ``RunTrust`` (no network)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from echo_p2p.net import run_record as rr
+from echo_p2p.net.identity import load_or_create_identity
+from echo_p2p.net.records import SignedRunRecord
+from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+
+@pytest.fixture(scope="module")
+def people():
+    ids = {name: load_or_create_identity(None) for name in ("owner", "stranger", "t1", "t2")}
+    yield ids
+    for ident in ids.values():
+        ident.cleanup()
+
+
+def make(people, serial=1, trainers=("t1",), run_id="r1", valid=3600.0, owner="owner"):
+    now = time.time()
+    record = rr.RunRecord(
+        run_id=run_id,
+        owner_key=people[owner].public_key_bytes().decode(),
+        trainers=[people[t].peer_id for t in trainers],
+        serial=serial,
+        issued_at=now,
+        expires_at=now + valid,
+        model="tiny",
+        task="count",
+        mode="async",
+    )
+    record_bytes, signature = rr.sign(record, people[owner])
+    return SignedRunRecord(peer_id=people["t1"].peer_id, record=record_bytes, signature=signature)
+
+
+def test_a_record_verifies_only_for_its_owner_run_and_bytes(people):
+    owner = people["owner"].peer_id
+    signed = make(people)
+    record = rr.verify(signed.record, signed.signature, "r1", owner)
+    assert isinstance(record, rr.RunRecord) and record.trainers == [people["t1"].peer_id]
+    assert rr.verify(signed.record, signed.signature, "r1", people["stranger"].peer_id) == rr.WRONG_OWNER
+    assert rr.verify(signed.record, signed.signature, "other", owner) == rr.WRONG_RUN
+    tampered = signed.record.replace(b"tiny", b"huge")
+    assert rr.verify(tampered, signed.signature, "r1", owner) == rr.BAD_SIGNATURE
+    assert rr.verify(signed.record, signed.signature[:-1] + b"\0", "r1", owner) == rr.BAD_SIGNATURE
+    assert rr.verify(b"\xc1garbage", signed.signature, "r1", owner) == rr.MALFORMED
+    assert rr.verify(b"x" * (rr.MAX_RECORD_BYTES + 1), b"", "r1", owner) == rr.MALFORMED
+    # a stranger's record naming itself owner: right signature, wrong owner for this run
+    forged = make(people, owner="stranger", trainers=("stranger",))
+    assert rr.verify(forged.record, forged.signature, "r1", owner) == rr.WRONG_OWNER
+    expired = make(people, valid=-1.0)
+    assert rr.verify(expired.record, expired.signature, "r1", owner) == rr.EXPIRED
+    with pytest.raises(ValueError):
+        rr.sign(rr.verify(signed.record, signed.signature, "r1", owner), people["stranger"])
+
+
+def test_run_trust_follows_the_newest_valid_record_and_ignores_forgeries(people):
+    owner = people["owner"].peer_id
+    t1, t2, stranger = (people[n].peer_id for n in ("t1", "t2", "stranger"))
+    trust = RunTrust(owner=owner, run_id="r1")
+    assert trust.configured and not trust.is_trusted(t1)  # no record yet: nobody
+    forged = make(people, serial=99, owner="stranger", trainers=("stranger",))
+    assert trust.update([forged, make(people, serial=1)])
+    assert trust.is_trusted(t1) and not trust.is_trusted(stranger) and not trust.is_trusted(t2)
+    assert trust.refused == {rr.WRONG_OWNER: 1}
+    # a newer serial adds a trainer; an older one is never applied again
+    assert trust.update([make(people, serial=2, trainers=("t1", "t2"))])
+    assert trust.is_trusted(t2)
+    assert not trust.update([make(people, serial=1)])
+    assert trust.is_trusted(t2) and trust.record.serial == 2
+
+
+def test_unconfigured_trust_takes_everyone_and_a_file_only_its_lines(people):
+    assert RunTrust().is_trusted(people["stranger"].peer_id) and not RunTrust().configured
+    fixed = RunTrust(fixed=TrustedTrainers.from_keys([people["t1"].peer_id]))
+    assert fixed.is_trusted(people["t1"].peer_id) and not fixed.is_trusted(people["stranger"].peer_id)
+
+
+def test_join_address_round_trip_and_refusals(people):
+    owner = people["owner"].peer_id
+    maddrs = ("/ip4/10.0.0.1/tcp/31337/p2p/QmBoot", "/dns/boot.example.org/tcp/31337/p2p/QmBoot2")
+    text = f"run-7:{owner}@{','.join(maddrs)}"
+    join = rr.JoinAddress.parse(text)
+    assert (join.run_id, join.owner, join.initial_peers) == ("run-7", owner, maddrs)
+    assert str(join) == text
+    for bad in (
+        f"run-7@{maddrs[0]}",  # no owner
+        f"run-7:{owner}",  # no multiaddr
+        f"run-7:{owner}@ip4/1.2.3.4",  # not a multiaddr
+        f"bad run:{owner}@{maddrs[0]}",  # not a run id
+        f"run-7:not-a-peer-id@{maddrs[0]}",
+    ):
+        with pytest.raises(ValueError):
+            rr.JoinAddress.parse(bad)
+
+
+def test_record_file_round_trip_and_refusal(people, tmp_path):
+    signed = make(people)
+    path = tmp_path / "run.record"
+    rr.write_file(path, signed.record, signed.signature)
+    record, record_bytes, signature = rr.read_file(path)
+    assert record.run_id == "r1" and record_bytes == signed.record and signature == signed.signature
+    rr.write_file(path, signed.record, b"\0" * 256)
+    with pytest.raises(ValueError, match="bad_signature"):
+        rr.read_file(path)
+    path.write_bytes(b"not msgpack")
+    with pytest.raises(ValueError, match="not a signed run record"):
+        rr.read_file(path)
