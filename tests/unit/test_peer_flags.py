@@ -139,4 +139,6 @@ def test_shipped_inference_configs_join_with_one_address(name):
     owner = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"
     path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.yaml"
     config = parse_config(["--config", str(path), "--join", f"demo:{owner}@{MADDR}"], environ={})
-    assert config.role == "inference" and config.run_owner == owner and config.inference.trusted_trainers is None
+    assert (
+        config.role == "inference" and config.run_owner == owner and config.inference.trusted_trainers is None
+    )
