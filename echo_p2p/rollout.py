@@ -9,6 +9,7 @@ newer peer may add fields.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 import msgpack
@@ -57,8 +58,21 @@ class RolloutGroup(BaseModel):
     def group_size(self) -> int:
         return len(self.completions)
 
+    def content_key(self) -> bytes:
+        """A digest of what the group *is* (task, prompt, version, every completion's tokens), whatever its
+        ``rollout_id``: the same completions sent again under a new id are recognised by it."""
+        body = [self.task, self.prompt_id, self.policy_version, [c.token_ids for c in self.completions]]
+        return hashlib.sha256(msgpack.packb(body, use_bin_type=True)).digest()
+
     def to_bytes(self) -> bytes:
         return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+
+    @staticmethod
+    def max_wire_bytes(prompt_tokens: int, group_size: int, completion_tokens: int) -> int:
+        """Most bytes ``to_bytes`` can take for a group within these limits (a token id is at most 5 msgpack
+        bytes, a log-prob 9, 128 per completion and 1 KiB per group for the rest): receivers refuse larger
+        messages before parsing them."""
+        return 1024 + 5 * prompt_tokens + group_size * (128 + 14 * completion_tokens)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RolloutGroup:

@@ -153,6 +153,7 @@ class TrainerPeer(BasePeer):
             ),
         )
         if self.config.mode == "async":
+            from echo_p2p.rollout import RolloutGroup
             from echo_p2p.transport.rollout_config import PusherConfig
             from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
 
@@ -163,10 +164,18 @@ class TrainerPeer(BasePeer):
                 groups_per_push=PusherConfig().batch_groups,
             )
             self.buffer = ReplayBuffer(capacity, section.max_staleness, order=section.buffer_order)
+            # a group within this trainer's shape limits takes at most this many bytes: bigger ones are
+            # refused from their frame header, never parsed (3.1 M token ids fitted the fixed 3 MiB cap)
+            shape_bound = RolloutGroup.max_wire_bytes(
+                section.max_prompt_tokens, run.group_size, run.max_new_tokens or self.task.max_new_tokens
+            )
+            ingest_config = section.ingest_server.model_copy(
+                update={"max_group_bytes": min(section.ingest_server.max_group_bytes, shape_bound)}
+            )
             self.ingest = RolloutIngestServicer(
                 lambda group: self.validator.validate(group, self.policy_version or 0),
                 self.buffer,
-                section.ingest_server,
+                ingest_config,
                 current_version=lambda: self.policy_version or 0,
             )
             self.loop.add_servicer(self.ingest, namespace)

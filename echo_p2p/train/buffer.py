@@ -170,6 +170,7 @@ class ReplayBuffer:
         self._seq = itertools.count()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._per_version: Counter[int] = Counter()
+        self._per_sender: Counter[str] = Counter()  # held groups by ``group.sampler_peer_id``
         self._taken_staleness: Counter[int] = Counter()
         self._added = self._duplicates = self._dropped_stale = self._evicted = self._taken = 0
         self._cond = threading.Condition(threading.Lock())
@@ -259,6 +260,11 @@ class ReplayBuffer:
         with self._cond:
             return len(self._heap)
 
+    def held_by(self, sender: str) -> int:
+        """Groups in the buffer that ``sender`` sampled (``group.sampler_peer_id``, set by the ingest)."""
+        with self._cond:
+            return self._per_sender.get(sender, 0)
+
     def stats(self) -> BufferStats:
         with self._cond:
             return BufferStats(
@@ -281,12 +287,20 @@ class ReplayBuffer:
     def _push(self, entry: _Entry) -> None:
         heapq.heappush(self._heap, entry)
         self._per_version[entry.version] += 1
+        self._per_sender[entry.scored.group.sampler_peer_id] += 1
 
-    def _pop_oldest(self) -> _Entry:
-        entry = heapq.heappop(self._heap)
+    def _forget(self, entry: _Entry) -> None:
         self._per_version[entry.version] -= 1
         if self._per_version[entry.version] == 0:
             del self._per_version[entry.version]
+        sender = entry.scored.group.sampler_peer_id
+        self._per_sender[sender] -= 1
+        if self._per_sender[sender] == 0:
+            del self._per_sender[sender]
+
+    def _pop_oldest(self) -> _Entry:
+        entry = heapq.heappop(self._heap)
+        self._forget(entry)
         return entry
 
     def _pop_newest(self, k: int) -> list[_Entry]:
@@ -296,9 +310,7 @@ class ReplayBuffer:
         self._heap = [e for e in self._heap if id(e) not in picked]
         heapq.heapify(self._heap)
         for entry in chosen:
-            self._per_version[entry.version] -= 1
-            if self._per_version[entry.version] == 0:
-                del self._per_version[entry.version]
+            self._forget(entry)
         return chosen
 
     def _drop_stale_locked(self, current_version: int) -> int:

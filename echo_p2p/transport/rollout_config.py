@@ -41,6 +41,30 @@ class IngestServerConfig(BaseModel):
         description="Accepted rollout ids remembered to acknowledge resends as duplicates",
     )
     max_tracked_senders: int = Field(default=4096, ge=1, description="Senders with their own counters")
+    sender_bytes_per_second: float = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="Bytes per second one sender may push (a token bucket with a burst of "
+        "``sender_burst_seconds``); a frame beyond its quota is refused from its header (rate_limited)",
+    )
+    sender_cpu_share: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds of validation per second one sender may cost (tokenizing, re-scoring); a sender "
+        "in debt is refused before anything it sends is read (rate_limited)",
+    )
+    sender_burst_seconds: float = Field(
+        default=4.0, gt=0, description="How many seconds of its quotas a sender may spend at once"
+    )
+    min_sender_share: int = Field(
+        default=4,
+        ge=1,
+        description="Buffer entries any sender may hold; above it a sender holds at most capacity / (active "
+        "senders + 1) (sender_quota, retryable)",
+    )
+    active_sender_window: float = Field(
+        default=60.0, gt=0, description="Seconds after its last accepted group that a sender counts as active"
+    )
 
 
 class PusherConfig(BaseModel):

@@ -1,11 +1,16 @@
 """Trainer side of the async push (``--mode async``): validate the rollout groups inference peers push, and
 acknowledge each one.
 
-Owned here: ``RolloutIngestServicer``. ``rpc_push_rollouts`` reads a stream of ``RolloutPayload`` (one group
-each) and answers one ``PushAck`` with a verdict per group. Limits on message size and count are enforced on
-receipt; every group goes through the injected ``validate`` (``IngestValidator``) before ``buffer.add``;
-verdicts carry a ``Reason`` back and are counted per sender (``SenderStats``). An id already accepted is
-acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. Never raises.
+Owned here: ``RolloutIngestServicer``. The push RPC reads a stream of ``RolloutPayload`` (one group each) and
+answers one ``PushAck`` with a verdict per group. It is served as a binary stream with hivemind's framing
+(wire-compatible with ``rpc_push_rollouts``' stub), so that each frame's length is checked before its body
+is read: a frame above ``max_group_bytes``, or beyond the sender's byte quota, is refused from its 9-byte
+header, and a sender in CPU debt is refused before anything it sent is read (``PushAck.error``, counted).
+Every group then goes through cheap checks (count, size, the sender's share of the buffer, that it is the
+sampler, duplicate id or content) before the injected ``validate`` (``IngestValidator``) and
+``buffer.add``; verdicts carry a ``Reason`` back and are counted per sender (``SenderStats``). An id already
+accepted is acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. Never
+raises.
 The sending side is ``rollout_push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
 work never runs in the loop.
 """
@@ -19,21 +24,29 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
 
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext, ServicerBase
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.buffer import AddResult, ReplayBuffer, ScoredGroup
 from echo_p2p.train.ingest import Reason, Rejection
+from echo_p2p.transport.quota import PeerQuotas
 from echo_p2p.transport.rollout_config import IngestServerConfig
 
 logger = logging.getLogger(__name__)
 
 Status = rollouts_pb2.GroupAck.Status
 DELIVERED = (Status.ACCEPTED, Status.DUPLICATE)
+#: Bytes of a ``RolloutPayload`` frame beyond its group (the rollout id and protobuf tags).
+PAYLOAD_OVERHEAD = 256
+#: Push-level refusals (``PushAck.error`` starts with one of them; counted per sender).
+RATE_LIMITED = "rate_limited"
+FRAME_TOO_LARGE = "frame_too_large"
+BAD_FRAME = "bad_frame"
 
 
 @dataclass
@@ -77,13 +90,84 @@ class RolloutIngestServicer(ServicerBase):
         self.totals = SenderStats()
         self.pushes = 0
         self._accepted_ids: OrderedDict[str, None] = OrderedDict()
+        self._accepted_content: OrderedDict[bytes, None] = OrderedDict()
+        self._active: OrderedDict[str, float] = (
+            OrderedDict()
+        )  # sender -> monotonic time of its last accepted group
+        burst = self.config.sender_burst_seconds
+        self._bytes = PeerQuotas(
+            self.config.sender_bytes_per_second, self.config.sender_bytes_per_second * burst
+        )
+        self._cpu = PeerQuotas(self.config.sender_cpu_share, self.config.sender_cpu_share * burst)
         self._lock = threading.Lock()
         # one worker: validation (tokenizer, verifier) runs off the loop and never concurrently with itself
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="echo-ingest")
 
+    # ---- the push RPC ----------------------------------------------------------------------------------
+    @property
+    def max_frame(self) -> int:
+        return self.config.max_group_bytes + PAYLOAD_OVERHEAD
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False) -> None:
+        """Serve the push RPC as a binary stream (see the module doc) under ``rpc_push_rollouts``' name."""
+        name = self._get_handle_name(namespace, "rpc_push_rollouts")
+        await p2p.add_binary_stream_handler(name, self._handle_push_stream, balanced=balanced)
+
+    async def remove_p2p_handlers(self, p2p, *, namespace=None) -> None:
+        await p2p.remove_binary_stream_handler(self._get_handle_name(namespace, "rpc_push_rollouts"))
+
+    async def _handle_push_stream(self, stream_info, reader: asyncio.StreamReader, writer) -> None:
+        try:
+            sender = stream_info.peer_id.to_base58()
+        except Exception:
+            sender = "?"
+        with closing(writer):
+            messages, refusal = await self._read_push(sender, reader)
+            ack = await self._answer(sender, messages, refusal)
+            with suppress(Exception):  # the sender may be gone; nothing to do about it
+                await P2P.send_protobuf(ack, writer)
+
+    async def _read_push(
+        self, sender: str, reader: asyncio.StreamReader
+    ) -> tuple[list[rollouts_pb2.RolloutPayload], str | None]:
+        """The payloads of one push, read frame by frame, and why reading stopped early (None: it did not)."""
+        messages: list[rollouts_pb2.RolloutPayload] = []
+        if not self._cpu.allows(sender, 0.0):
+            return messages, f"{RATE_LIMITED}: validation time beyond {self.config.sender_cpu_share:g} s/s"
+        try:
+            async with asyncio.timeout(self.config.stream_timeout):
+                while len(messages) <= self.config.max_groups_per_push:
+                    marker = await reader.readexactly(1)
+                    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                    if length > self.max_frame:
+                        return messages, f"{FRAME_TOO_LARGE}: a {length}-byte frame (limit {self.max_frame})"
+                    if not self._bytes.allows(sender, length):
+                        return (
+                            messages,
+                            f"{RATE_LIMITED}: beyond {self.config.sender_bytes_per_second:.0f} B/s",
+                        )
+                    self._bytes.charge(sender, length)
+                    body = await reader.readexactly(length)
+                    if marker == P2P.ERROR_MARKER:
+                        break  # hivemind's end-of-stream frame
+                    if marker != P2P.MESSAGE_MARKER:
+                        return messages, f"{BAD_FRAME}: unknown frame marker"
+                    try:
+                        messages.append(rollouts_pb2.RolloutPayload.FromString(body))
+                    except Exception:  # protobuf raises DecodeError and others on garbage
+                        return messages, f"{BAD_FRAME}: not a RolloutPayload"
+        except TimeoutError:
+            logger.info("push from %s: stream not finished in %.0f s", sender, self.config.stream_timeout)
+        except asyncio.IncompleteReadError:
+            pass  # the sender closed the stream early: answer for what was read
+        except Exception as exc:  # a broken stream: answer for what was read
+            logger.info("push from %s: stream failed (%s)", sender, exc)
+        return messages, None
+
     async def rpc_push_rollouts(
         self, requests: AsyncIterator[rollouts_pb2.RolloutPayload], context: P2PContext
     ) -> rollouts_pb2.PushAck:
+        """The same RPC for in-process callers (tests): payloads already parsed, no frame checks."""
         try:
             sender = context.remote_id.to_base58()
         except Exception:
@@ -99,7 +183,18 @@ class RolloutIngestServicer(ServicerBase):
             logger.info("push from %s: stream not finished in %.0f s", sender, self.config.stream_timeout)
         except Exception as exc:  # a broken stream: answer for what was read
             logger.info("push from %s: stream failed (%s)", sender, exc)
+        return await self._answer(sender, messages, None)
+
+    async def _answer(
+        self, sender: str, messages: list[rollouts_pb2.RolloutPayload], refusal: str | None
+    ) -> rollouts_pb2.PushAck:
         try:
+            if refusal is not None:
+                self._count_refusal(sender, refusal.split(":", 1)[0])
+                if not messages:
+                    return rollouts_pb2.PushAck(
+                        error=refusal, free_room=self._free_room(), policy_version=self._version()
+                    )
             loop = asyncio.get_running_loop()
             acks = await loop.run_in_executor(self._worker, self._process, sender, messages)
             return rollouts_pb2.PushAck(
@@ -135,7 +230,9 @@ class RolloutIngestServicer(ServicerBase):
             self.pushes += 1
         acks = []
         for index, message in enumerate(messages):
-            status, reason, detail = self._verdict(index, message)
+            t0 = time.perf_counter()
+            status, reason, detail = self._verdict(sender, index, message)
+            self._cpu.charge(sender, time.perf_counter() - t0)
             acks.append(
                 rollouts_pb2.GroupAck(
                     rollout_id=message.rollout_id[:128], status=status, reason=reason, detail=detail[:256]
@@ -144,7 +241,7 @@ class RolloutIngestServicer(ServicerBase):
             self._count(sender, status, reason)
         return acks
 
-    def _verdict(self, index: int, message: rollouts_pb2.RolloutPayload) -> tuple[int, str, str]:
+    def _verdict(self, sender: str, index: int, message: rollouts_pb2.RolloutPayload) -> tuple[int, str, str]:
         config = self.config
         if index >= config.max_groups_per_push:
             return (
@@ -164,11 +261,24 @@ class RolloutIngestServicer(ServicerBase):
             return Status.REJECTED, Reason.MALFORMED.value, str(exc).splitlines()[0][:200]
         if group.rollout_id != message.rollout_id:
             return Status.REJECTED, Reason.MALFORMED.value, "rollout_id differs from the payload's"
+        if group.sampler_peer_id not in ("", sender):
+            return Status.REJECTED, Reason.NOT_THE_SAMPLER.value, "sampler_peer_id is not the pushing peer"
+        group.sampler_peer_id = sender  # what the buffer's per-sender share counts
+        content = group.content_key()
         with self._lock:
             if group.rollout_id in self._accepted_ids:
                 return Status.DUPLICATE, Reason.DUPLICATE.value, "already accepted"
+            if content in self._accepted_content:
+                return (
+                    Status.REJECTED,
+                    Reason.DUPLICATE_CONTENT.value,
+                    "these completions were accepted already",
+                )
         if config.refuse_when_full and self.buffer.free_room() <= 0:
             return Status.REJECTED, Reason.BUFFER_FULL.value, "no room in the replay buffer"
+        share = self._sender_share(sender)
+        if self.buffer.held_by(sender) >= share:
+            return Status.REJECTED, Reason.SENDER_QUOTA.value, f"this sender holds its share ({share} groups)"
         try:
             result = self.validate(group)
         except Exception as exc:  # validate should not raise; if it does, refuse and keep serving
@@ -180,7 +290,7 @@ class RolloutIngestServicer(ServicerBase):
             return Status.REJECTED, Reason.INTERNAL_ERROR.value, "validator returned no verdict"
         added = self.buffer.add(result, self._version() if self.current_version is not None else None)
         if added is AddResult.ADDED or added is AddResult.DUPLICATE:
-            self._remember(group.rollout_id)
+            self._remember(group.rollout_id, content, sender)
             if added is AddResult.DUPLICATE:
                 return Status.DUPLICATE, Reason.DUPLICATE.value, "already in the buffer"
             return Status.ACCEPTED, "", ""
@@ -188,21 +298,50 @@ class RolloutIngestServicer(ServicerBase):
             return Status.REJECTED, Reason.TOO_STALE.value, "too stale for the buffer"
         return Status.REJECTED, Reason.BUFFER_FULL.value, "evicted at once: older than every buffered group"
 
-    def _remember(self, rollout_id: str) -> None:
+    def _remember(self, rollout_id: str, content: bytes, sender: str) -> None:
         with self._lock:
             self._accepted_ids[rollout_id] = None
-            while len(self._accepted_ids) > self.config.accepted_ids_window:
-                self._accepted_ids.popitem(last=False)
+            self._accepted_content[content] = None
+            for seen in (self._accepted_ids, self._accepted_content):
+                while len(seen) > self.config.accepted_ids_window:
+                    seen.popitem(last=False)
+            self._active[sender] = time.monotonic()
+            self._active.move_to_end(sender)
+            while len(self._active) > self.config.max_tracked_senders:
+                self._active.popitem(last=False)
+
+    def _sender_share(self, sender: str) -> int:
+        """Buffer entries one sender may hold: an equal part of the capacity among the active senders and one
+        more (room is always left for a newcomer: the first sender cannot take the whole buffer)."""
+        cutoff = time.monotonic() - self.config.active_sender_window
+        with self._lock:
+            while self._active and next(iter(self._active.values())) < cutoff:
+                self._active.popitem(last=False)
+            active = len(self._active) + (sender not in self._active)
+        capacity = getattr(self.buffer, "capacity", 0)
+        return max(self.config.min_sender_share, capacity // (active + 1))
+
+    def _count_refusal(self, sender: str, reason: str) -> None:
+        """A push refused as a whole (rate, frame): counted once per push, like a group reason."""
+        with self._lock:
+            self.pushes += 1
+            for target in (self._sender(sender), self.totals):
+                target.rejected[reason] += 1
+
+    def _sender(self, sender: str) -> SenderStats:
+        """``sender``'s counters (caller holds the lock); the least recently seen are forgotten."""
+        stats = self.senders.get(sender)
+        if stats is None:
+            stats = self.senders[sender] = SenderStats()
+            while len(self.senders) > self.config.max_tracked_senders:
+                self.senders.popitem(last=False)
+        self.senders.move_to_end(sender)
+        stats.last_seen = time.time()
+        return stats
 
     def _count(self, sender: str, status: int, reason: str) -> None:
         with self._lock:
-            stats = self.senders.get(sender)
-            if stats is None:
-                stats = self.senders[sender] = SenderStats()
-                while len(self.senders) > self.config.max_tracked_senders:
-                    self.senders.popitem(last=False)
-            self.senders.move_to_end(sender)
-            stats.last_seen = time.time()
+            stats = self._sender(sender)
             for target in (stats, self.totals):
                 if status == Status.ACCEPTED:
                     target.accepted += 1

@@ -287,6 +287,68 @@ def test_a_group_refused_for_a_full_buffer_is_kept_and_delivered_once_there_is_r
     assert pusher.stats()["rejected"] == {} and pusher.stats()["resent"] >= 1
 
 
+def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_senders_keep_their_share(
+    nodes, run
+):
+    """Parse before refuse, found by an attacker: hivemind read a whole 512 MiB frame before any size check
+    (551 -> 2,065 MiB of trainer memory). Now a frame's length is checked from its header: the body is never
+    read. The same sender's replays under new ids, groups claiming another sampler, and groups beyond its
+    share of the buffer are refused too, while an honest sender's groups go in."""
+    keys, serve = run
+    t1, _, i1, i2 = nodes
+    config = IngestServerConfig(max_group_bytes=64 * 1024, min_sender_share=2)
+    servicer, buffer = trainer_servicer(capacity=4, config=config)
+    serve(t1, servicer)
+    name = servicer._get_handle_name(rollout_namespace(keys), "rpc_push_rollouts")
+
+    async def oversized_frame():
+        from hivemind.p2p import P2P
+
+        _, reader, writer = await i2.loop.p2p.call_binary_stream_handler(peer_id_of(t1.peer_id), name)
+        writer.write(P2P.MESSAGE_MARKER + (512 * 1024 * 1024).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        writer.write(b"\0" * 4096)  # the start of a body that is never read
+        await writer.drain()
+        ack, _ = await P2P.receive_protobuf(rollouts_pb2.PushAck, reader)
+        writer.close()
+        return ack
+
+    ack = i2.loop.run(oversized_frame(), timeout=15)
+    assert ack.error.startswith("frame_too_large") and not ack.acks, ack
+    assert servicer.sender_stats(i2.peer_id).rejected["frame_too_large"] == 1
+
+    async def push(node, groups):
+        stub = RolloutIngestServicer.get_stub(
+            node.loop.p2p, peer_id_of(t1.peer_id), namespace=rollout_namespace(keys)
+        )
+
+        async def messages():
+            for group in groups:
+                yield rollouts_pb2.RolloutPayload(rollout_id=group.rollout_id, group=group.to_bytes())
+
+        return await stub.rpc_push_rollouts(messages(), timeout=10)
+
+    original = honest_group(3)
+    replay = original.model_copy(deep=True)
+    replay.rollout_id = uuid.uuid4().hex  # the same completions under a new id
+    impersonating = honest_group(4, sampler=i1.peer_id)  # claims the honest peer sampled it
+    flood = [honest_group(p) for p in (5, 6, 8)]
+    ack = i2.loop.run(push(i2, [original, replay, impersonating, *flood]), timeout=15)
+    verdicts = [a.reason or "accepted" for a in ack.acks]
+    # capacity 4, one active sender (the stranger) and room kept for one more: 2 at most
+    assert verdicts == [
+        "accepted",
+        "duplicate_content",
+        "not_the_sampler",
+        "accepted",
+        "sender_quota",
+        "sender_quota",
+    ], verdicts
+    assert buffer.held_by(i2.peer_id) == 2
+    ack = i1.loop.run(push(i1, [honest_group(p) for p in (9, 10)]), timeout=15)
+    assert [a.reason or "accepted" for a in ack.acks] == ["accepted", "accepted"]
+    assert buffer.held_by(i1.peer_id) == 2 and len(buffer) == 4
+
+
 # ---- sync pull ---------------------------------------------------------------------------------------------
 class FakeSampler:
     """An inference peer's engine stand-in: records calls, answers honest groups, optionally too late."""

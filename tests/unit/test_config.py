@@ -110,9 +110,9 @@ def test_help_is_instant_and_imports_no_torch_or_hivemind(module):
 @pytest.mark.parametrize("name", ["inference-gpu", "inference-cpu", "trainer"])
 def test_shipped_peer_configs_are_valid(name):
     path = REPO / "peers" / f"{name}.yaml"
-    c = build_config(
-        PeerConfig, yaml_path=str(path), environ={}, flags={"run_id": "r", "network.initial_peers": [MADDR]}
-    )
+    owner = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"  # what --join sets besides run id and peers
+    flags = {"run_id": "r", "network.initial_peers": [MADDR], "run_owner": owner}
+    c = build_config(PeerConfig, yaml_path=str(path), environ={}, flags=flags)
     assert c.role == name.split("-")[0]
 
 

@@ -130,15 +130,3 @@ def test_local_swarm_signs_a_run_record_of_its_trainers(tmp_path):
         swarm.config.task,
         swarm.config.mode,
     )
-
-
-@pytest.mark.parametrize("name", ["inference-gpu", "inference-cpu"])
-def test_shipped_inference_configs_join_with_one_address(name):
-    from pathlib import Path
-
-    owner = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"
-    path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.yaml"
-    config = parse_config(["--config", str(path), "--join", f"demo:{owner}@{MADDR}"], environ={})
-    assert (
-        config.role == "inference" and config.run_owner == owner and config.inference.trusted_trainers is None
-    )
