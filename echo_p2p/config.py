@@ -21,6 +21,7 @@ from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.reputation import ReputationConfig
 from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
 from echo_p2p.transport.rollout_config import (
     IngestServerConfig,
@@ -218,6 +219,10 @@ class TrainerSection(StrictModel):
         default=None,
         description="File of the run's trainers (docs/trust.md) among whom the publisher is elected, for runs "
         "without an owner; unset and no run owner: any peer announcing itself a trainer takes part",
+    )
+    reputation: ReputationConfig = Field(
+        default_factory=ReputationConfig,
+        description="How the trainer checks senders' behaviour log-probs and bans liars (docs/security.md)",
     )
     prompts_per_step: int = Field(default=16, ge=1, le=4096, description="Rollout groups per GRPO step")
     grpo: GRPOConfig = Field(

@@ -22,6 +22,7 @@ from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import (
     CLOCK_SKEW,
     MAX_RECORD_TTL,
+    BanRecord,
     OtherProtocolError,
     PeerRecord,
     PolicyRecord,
@@ -72,6 +73,10 @@ class SwarmDirectory:
         """Re-store the run owner's signed record (subkey: this peer's key) for ``ttl`` seconds."""
         return self._store(self.keys.run, record, ttl, timeout)
 
+    def announce_bans(self, record: BanRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Store this trainer's bans (subkey: its own key) for ``ttl`` seconds."""
+        return self._store(self.keys.bans, record, ttl, timeout)
+
     def _store(self, key: str, record: WireRecord, ttl: float, timeout: float | None = None) -> bool:
         from hivemind.utils import get_dht_time
 
@@ -106,6 +111,10 @@ class SwarmDirectory:
     def run_records(self) -> list[Entry[SignedRunRecord]]:
         """Every stored copy of a signed run record (signatures are the caller's business: ``run_record``)."""
         return self._read(self.keys.run, SignedRunRecord)
+
+    def ban_records(self) -> list[Entry[BanRecord]]:
+        """Every trainer's bans (trust is the caller's business)."""
+        return self._read(self.keys.bans, BanRecord)
 
     def _read(self, key: str, cls: type[R]) -> list[Entry[R]]:
         from hivemind.utils import get_dht_time

@@ -60,6 +60,17 @@ class SwarmKeys:
         """Dictionary key: one subkey per peer that re-stores it, value = the owner's signed run record."""
         return f"{self.prefix}/run"
 
+    @property
+    def bans(self) -> str:
+        """Dictionary key: one subkey per trainer, value = the senders it banned (``BanRecord``)."""
+        return f"{self.prefix}/bans"
+
     def all_keys(self) -> dict[str, str]:
         """Name -> raw key, for every key of the run (used to build the DHT schema validator)."""
-        return {"peers": self.peers, "policy": self.policy, "providers": self.providers, "run": self.run}
+        return {
+            "peers": self.peers,
+            "policy": self.policy,
+            "providers": self.providers,
+            "run": self.run,
+            "bans": self.bans,
+        }

@@ -204,6 +204,25 @@ class SignedRunRecord(WireRecord):
     )
 
 
+class Ban(BaseModel):
+    """One banned peer in a ``BanRecord``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    peer_id: str = Field(max_length=128, description="The banned peer")
+    until: float = Field(description="Wall-clock end of the ban (receivers cap it at their own ban length)")
+    reason: str = Field(default="", max_length=32, description="Why (e.g. logprob_gap)")
+
+
+class BanRecord(WireRecord):
+    """Under ``SwarmKeys.bans`` (subkey: the trainer's key): the senders a trainer banned. Peers apply the
+    bans of the run's trusted trainers only."""
+
+    peer_id: str = Field(max_length=128, description="Peer id of the trainer that banned them")
+    bans: list[Ban] = Field(default_factory=list, max_length=256, description="Bans in force, longest first")
+    updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
+
+
 class _DhtValue:
     """A pydantic-v1 type for hivemind's SchemaValidator: checks a value against one of our v2 records.
 
@@ -244,6 +263,7 @@ def schema_validator(keys: SwarmKeys):
         keys.providers: (dict[owner, _value_type(ProviderRecord)], None),
         keys.policy: (dict[owner, _value_type(PolicyRecord)], None),
         keys.run: (dict[owner, _value_type(SignedRunRecord)], None),
+        keys.bans: (dict[owner, _value_type(BanRecord)], None),
     }
     schema = pydantic_v1.create_model(f"EchoSchema_{keys.protocol}", **fields)
     return SchemaValidator(schema, allow_extra_keys=True)

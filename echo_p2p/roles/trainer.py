@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 import threading
 import time
 from collections import Counter
 from typing import Any
 
 from echo_p2p.roles.base import BasePeer
+from echo_p2p.roles.trainer_weights import (
+    params_finite,
+    peak_rss_mib,
+    reload_last_good,
+    start_on_serving_grid,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,33 +58,18 @@ class TrainerPeer(BasePeer):
         self.publisher = None
         self.loop = None
         self.ingest = None
+        self.guard = None  # roles.trainer_guard.SenderGuard: log-prob checks and bans
         self.sample_client = None
         self.checkpoints = None
         self._rng = random.Random(self.section.seed)
         self._stopping = threading.Event()
 
     # ---- setup ------------------------------------------------------------------------------------------
-    def _start_on_serving_grid(self) -> int:
-        """A fresh run whose receivers hold 16-bit weights starts from weights on that grid (see
-        ``EncodingConfig.start_on_serving_grid``); returns how many values moved."""
-        encoding = self.section.encoding
-        if encoding.receiver_dtype is None or not encoding.start_on_serving_grid:
-            return 0
-        from echo_p2p.weights.quant import round_to_serving_grid_
-
-        moved = round_to_serving_grid_(self.model.parameters(), encoding.receiver_dtype)
-        logger.info(
-            "%s rounded %d initial values to the %s grid receivers hold",
-            self.prefix(),
-            moved,
-            encoding.receiver_dtype,
-        )
-        return moved
-
     def on_start(self) -> None:
         import torch
 
         from echo_p2p.ml.models import load_policy
+        from echo_p2p.roles.trainer_guard import SenderGuard
         from echo_p2p.tasks import build_task
         from echo_p2p.train.buffer import ReplayBuffer, recommended_capacity
         from echo_p2p.train.checkpoint import CheckpointManager
@@ -103,6 +93,7 @@ class TrainerPeer(BasePeer):
                 "pad_token_id": self.tokenizer.pad_token_id or 0,
                 # the policy the loss sees is the one inference peers hold (bf16 / fp16 or fp32)
                 "policy_precision": section.encoding.receiver_dtype or "fp32",
+                "max_logprob_gap": section.reputation.exclude_logprob_gap,
             }
         )
         self.learner = Learner(self.model, grpo)
@@ -117,7 +108,7 @@ class TrainerPeer(BasePeer):
                 self.model.load_state_dict(loaded.model_state)  # before the optimizer copies the params
                 logger.info("%s resuming from checkpoint version %d", self.prefix(), loaded.version)
         if loaded is None:
-            self._start_on_serving_grid()
+            start_on_serving_grid(self.model, self.section.encoding, self.prefix())
         self.optimizer = make_collab_optimizer(
             self.dht,
             self.config.run_id,
@@ -172,11 +163,13 @@ class TrainerPeer(BasePeer):
             ingest_config = section.ingest_server.model_copy(
                 update={"max_group_bytes": min(section.ingest_server.max_group_bytes, shape_bound)}
             )
+            self.guard = SenderGuard(section.reputation, self.peer_id, self.buffer, self.trust)
             self.ingest = RolloutIngestServicer(
                 lambda group: self.validator.validate(group, self.policy_version or 0),
                 self.buffer,
                 ingest_config,
                 current_version=lambda: self.policy_version or 0,
+                is_banned=self.guard.is_banned,
             )
             self.loop.add_servicer(self.ingest, namespace)
             self.accepts_rollouts = True
@@ -185,6 +178,7 @@ class TrainerPeer(BasePeer):
             from echo_p2p.transport.rollout_pull import SampleClient
 
             self.buffer = None
+            self.guard = SenderGuard(section.reputation, self.peer_id, None, self.trust)
             self.sample_client = SampleClient(self.loop, self.directory, section.sample_client, namespace)
         if not self.trust.configured:
             logger.warning(
@@ -278,6 +272,7 @@ class TrainerPeer(BasePeer):
         version_before = self.policy_version or 0
         result = self._stepper(batch)
         self.update_seconds += time.monotonic() - t0
+        self.guard.judge(batch, self.learner.last_group_gaps)
         if result.skipped:
             self.skipped_batches += 1
             logger.warning(
@@ -299,10 +294,11 @@ class TrainerPeer(BasePeer):
             "reward_std": round(std, 4),
             "loss": round(float(result.stats.get("loss", 0.0)), 5),
             "clip_frac": round(float(result.stats.get("clip_frac", 0.0)), 4),
+            "logprob_gap_max": round(float(result.stats.get("logprob_gap_max", 0.0)), 4),
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "step_update_s": round(time.monotonic() - t0, 4),
         }
-        if result.advanced and not self._params_finite():
+        if result.advanced and not params_finite(self.model):
             self._recover_nonfinite()
             return
         if result.advanced:
@@ -313,34 +309,15 @@ class TrainerPeer(BasePeer):
             self._maybe_checkpoint()
         self.metrics.write(self.policy_version, step=self.steps, **self.last_stats, **self._counters())
 
-    # ---- non-finite weights ---------------------------------------------------------------------------
-    def _params_finite(self) -> bool:
-        import torch
-
-        with torch.no_grad():
-            return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-
     def _recover_nonfinite(self) -> None:
-        """The weights went NaN/inf after an update (no gradient of ours can do that: ``Learner`` drops
-        non-finite ones; an averaging round can): reload the newest checkpoint, else the other trainers'
-        state; with neither, stop with an error rather than publish or train on broken weights."""
+        """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or
+        stop with an error rather than publish or train on broken weights."""
         self.recoveries += 1
         logger.error(
             "%s weights are not finite after an update; reloading the last good state", self.prefix()
         )
-        if self.checkpoints is not None and self.checkpoints.latest() is not None:
-            loaded = self.checkpoints.load()
-            self.model.load_state_dict(loaded.model_state)
-            if loaded.optimizer_state is not None:
-                self.optimizer.load_state_dict(loaded.optimizer_state)
-            source = f"checkpoint version {loaded.version}"
-        else:
-            try:
-                self.optimizer.load_state_from_peers()
-            except Exception as exc:
-                logger.error("%s loading state from other trainers failed: %r", self.prefix(), exc)
-            source = "other trainers"
-        if not self._params_finite():
+        source = reload_last_good(self.model, self.optimizer, self.checkpoints)
+        if source is None:
             logger.error(
                 "%s no good state to reload (no checkpoint, no other trainer); stopping", self.prefix()
             )
@@ -378,6 +355,7 @@ class TrainerPeer(BasePeer):
 
     def on_heartbeat(self) -> None:
         self._update_publisher_role()
+        self.guard.share(self.directory, self.config.record_ttl)
 
     def _update_publisher_role(self, log: bool = False) -> None:
         """Re-elect the publisher from the directory (on the heartbeat, not on every training step)."""
@@ -459,7 +437,7 @@ class TrainerPeer(BasePeer):
             "publisher": self.is_publisher,
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
-            "peak_rss_mib": _peak_rss_mib(),
+            "peak_rss_mib": peak_rss_mib(),
         }
         if self.buffer is not None:
             stats = self.buffer.stats().as_dict()
@@ -467,6 +445,8 @@ class TrainerPeer(BasePeer):
                 k: stats[k] for k in ("size", "free_room", "dropped_stale", "evicted", "duplicates")
             }
             out["dropped_stale"] = stats["dropped_stale"]
+        if self.guard is not None:
+            out["senders"] = self.guard.stats()
         if self.ingest is not None:
             out["rejected"] = dict(self.ingest.stats().get("rejected", {}))
         elif self.rejected:
@@ -494,13 +474,3 @@ class TrainerPeer(BasePeer):
                 closer()
             except Exception:
                 logger.exception("%s error stopping the %s", self.prefix(), name)
-
-
-def _peak_rss_mib() -> float | None:
-    """This process's peak resident memory so far (MiB), or None where ``resource`` is missing."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not on POSIX
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere

@@ -176,9 +176,14 @@ class ReplayBuffer:
         self._cond = threading.Condition(threading.Lock())
 
     # ---- ingest side -------------------------------------------------------------------------------------
-    def add(self, scored: ScoredGroup, current_version: int | None = None) -> AddResult:
+    def add(
+        self, scored: ScoredGroup, current_version: int | None = None, sender_share: int | None = None
+    ) -> AddResult:
         """Insert a trusted group. With ``current_version``, a group already too stale is refused at once.
 
+        With ``sender_share``, a full buffer makes room for a sender (``group.sampler_peer_id``) holding
+        less than its share by evicting the oldest entry of the sender holding the most, if that one holds
+        more than its share: under contention nobody keeps more than its share.
         Returns ``AddResult.ADDED`` (truthy) or the reason it was refused. A refused group still counts as
         seen, so a resend of the same ``rollout_id`` is a duplicate.
         """
@@ -195,6 +200,8 @@ class ReplayBuffer:
                 self._dropped_stale += 1
                 return AddResult.STALE
             entry = _Entry(scored.policy_version, next(self._seq), self.reuse, scored)
+            if sender_share is not None and len(self._heap) >= self.capacity:
+                self._make_room_for(scored.group.sampler_peer_id, sender_share)
             if len(self._heap) >= self.capacity:
                 if entry < self._heap[0]:
                     self._evicted += 1
@@ -260,6 +267,22 @@ class ReplayBuffer:
         with self._cond:
             return len(self._heap)
 
+    def drop_sender(self, sender: str) -> int:
+        """Remove every group ``sender`` sampled (a banned sender); returns how many."""
+        with self._cond:
+            kept = [e for e in self._heap if e.scored.group.sampler_peer_id != sender]
+            dropped = [e for e in self._heap if e.scored.group.sampler_peer_id == sender]
+            for entry in dropped:
+                self._forget(entry)
+            self._heap = kept
+            heapq.heapify(self._heap)
+            return len(dropped)
+
+    def biggest_sender(self) -> int:
+        """Entries of the sender holding the most."""
+        with self._cond:
+            return max(self._per_sender.values(), default=0)
+
     def held_by(self, sender: str) -> int:
         """Groups in the buffer that ``sender`` sampled (``group.sampler_peer_id``, set by the ingest)."""
         with self._cond:
@@ -297,6 +320,18 @@ class ReplayBuffer:
         self._per_sender[sender] -= 1
         if self._per_sender[sender] == 0:
             del self._per_sender[sender]
+
+    def _make_room_for(self, sender: str, share: int) -> None:
+        if self._per_sender.get(sender, 0) >= share or not self._per_sender:
+            return
+        biggest, held = max(self._per_sender.items(), key=lambda kv: kv[1])
+        if held <= share:
+            return
+        victim = min(e for e in self._heap if e.scored.group.sampler_peer_id == biggest)
+        self._heap.remove(victim)
+        heapq.heapify(self._heap)
+        self._forget(victim)
+        self._evicted += 1
 
     def _pop_oldest(self) -> _Entry:
         entry = heapq.heappop(self._heap)

@@ -49,6 +49,13 @@ class GRPOConfig(BaseModel):
         "is above it adds ``ratio_cap * |A|`` to the loss and no gradient. Bounds what any reported "
         "behaviour log-prob can do to the loss (``grpo``). None: unbounded. Must exceed ``1 + clip_high``.",
     )
+    max_logprob_gap: float | None = Field(
+        default=None,
+        gt=0,
+        description="Completions whose behaviour log-probs differ from this policy's by more than this many "
+        "nats per token on average are left out of the loss (a sampler that lies about them); None: all are "
+        "used. Trainer peers set it from ``trainer.reputation`` (docs/security.md).",
+    )
     kl_beta: float = Field(
         default=0.0,
         ge=0,

@@ -61,14 +61,11 @@ class Reason(str, Enum):
     TOO_MANY = "too_many"  # more groups in one push than allowed
     DUPLICATE_CONTENT = "duplicate_content"  # the completions of a group already accepted, under a new id
     NOT_THE_SAMPLER = "not_the_sampler"  # ``sampler_peer_id`` names another peer than the one pushing it
-    SENDER_QUOTA = "sender_quota"  # the sender already holds its share of the trainer's buffer (retryable)
     INTERNAL_ERROR = "internal_error"  # the trainer failed while checking it (a bug; logged)
 
 
 #: Reasons after which the same group may succeed at another trainer (or later): the sender resends.
-RETRYABLE_REASONS: frozenset[Reason] = frozenset(
-    {Reason.BUFFER_FULL, Reason.INTERNAL_ERROR, Reason.SENDER_QUOTA}
-)
+RETRYABLE_REASONS: frozenset[Reason] = frozenset({Reason.BUFFER_FULL, Reason.INTERNAL_ERROR})
 
 
 @dataclass(frozen=True)

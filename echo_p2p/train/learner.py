@@ -105,6 +105,9 @@ class Learner:
         if ref_model is not None:
             ref_model.requires_grad_(False)
         self.max_tokens_per_micro_batch = self.token_limit(model, config)
+        #: per group of the last ``compute_gradients``: the mean |log-prob gap| per token between the
+        #: sampler's behaviour log-probs and this policy, over the group's tokens (``_check_behaviour``)
+        self.last_group_gaps: list[float] = []
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -160,6 +163,7 @@ class Learner:
 
         total_loss = 0.0
         parts: list[dict[str, float]] = []
+        gaps: dict[int, tuple[float, float]] = {}  # group index -> (sum of |log-prob gaps|, tokens)
         with self.policy_weights():
             for mb in micro:
                 mb = mb.to(device)
@@ -167,6 +171,8 @@ class Learner:
                 logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
                 logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
                 del logits
+                completion_mask = self._check_behaviour(logp, mb, gaps)
+                excluded = float((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
                 ref_logp = None
                 if self.ref_model is not None:
                     with torch.no_grad():
@@ -177,7 +183,7 @@ class Learner:
                     logp,
                     mb.behaviour_logprobs,
                     mb.advantages,
-                    mb.completion_mask,
+                    completion_mask,
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
                     tis_cap=cfg.tis_cap,
@@ -190,7 +196,7 @@ class Learner:
                 if loss.requires_grad:
                     loss.backward()
                 total_loss += float(loss.detach())
-                parts.append(mb_stats)
+                parts.append({**mb_stats, "excluded_sequences": excluded})
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = 0.0
@@ -217,8 +223,33 @@ class Learner:
             frac_zero_adv_groups=_frac_zero_adv_groups(batch, len(groups)),
             compute_s=time.perf_counter() - t0,
             nonfinite=float(nonfinite),
+            excluded_sequences=float(sum(p.get("excluded_sequences", 0.0) for p in parts)),
         )
+        self.last_group_gaps = [
+            g / max(n, 1.0) for g, n in (gaps.get(i, (0.0, 0.0)) for i in range(len(groups)))
+        ]
+        stats["logprob_gap_max"] = max(self.last_group_gaps, default=0.0)
         return stats
+
+    def _check_behaviour(
+        self, logp: torch.Tensor, mb: Batch, gaps: dict[int, tuple[float, float]]
+    ) -> torch.Tensor:
+        """Score the sampler's behaviour log-probs against this policy's: per group, the sum of absolute
+        gaps and the token count (``last_group_gaps`` is their ratio, a mean over every token of the group);
+        a completion whose own mean gap is above ``max_logprob_gap`` is left out of the loss (the returned
+        completion mask has it zeroed)."""
+        mask = mb.completion_mask
+        with torch.no_grad():
+            counts = mask.sum(dim=1)
+            sums = ((logp.detach() - mb.behaviour_logprobs.to(logp.dtype)).abs() * mask).sum(dim=1)
+            for index, total, n in zip(mb.group_index.tolist(), sums.tolist(), counts.tolist(), strict=True):
+                before = gaps.get(index, (0.0, 0.0))
+                gaps[index] = (before[0] + total, before[1] + n)
+            limit = self.config.max_logprob_gap
+            if limit is None:
+                return mask
+            keep = (sums <= limit * counts.clamp(min=1)).to(mask.dtype)
+        return mask * keep.unsqueeze(1)
 
     def step(
         self, groups: Sequence[ScoredGroup], optimizer: torch.optim.Optimizer | Any, **step_kwargs: Any

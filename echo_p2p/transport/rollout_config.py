@@ -59,8 +59,9 @@ class IngestServerConfig(BaseModel):
     min_sender_share: int = Field(
         default=4,
         ge=1,
-        description="Buffer entries any sender may hold; above it a sender holds at most capacity / (active "
-        "senders + 1) (sender_quota, retryable)",
+        description="Share of the buffer no sender is ever pushed below: when the buffer is full, a sender "
+        "holding less than max(this, capacity / (active senders + 1)) gets room at the expense of a sender "
+        "holding more",
     )
     active_sender_window: float = Field(
         default=60.0, gt=0, description="Seconds after its last accepted group that a sender counts as active"

@@ -6,9 +6,10 @@ answers one ``PushAck`` with a verdict per group. It is served as a binary strea
 (wire-compatible with ``rpc_push_rollouts``' stub), so that each frame's length is checked before its body
 is read: a frame above ``max_group_bytes``, or beyond the sender's byte quota, is refused from its 9-byte
 header, and a sender in CPU debt is refused before anything it sent is read (``PushAck.error``, counted).
-Every group then goes through cheap checks (count, size, the sender's share of the buffer, that it is the
-sampler, duplicate id or content) before the injected ``validate`` (``IngestValidator``) and
-``buffer.add``; verdicts carry a ``Reason`` back and are counted per sender (``SenderStats``). An id already
+Every group then goes through cheap checks (count, size, that it is the sampler, duplicate id or content)
+before the injected ``validate`` (``IngestValidator``) and ``buffer.add``; a full buffer makes room for a
+sender below its share (capacity / (active senders + 1)) at the expense of one above it, and refuses
+(``buffer_full``, retryable: back-pressure) the others; verdicts carry a ``Reason`` back and are counted per sender (``SenderStats``). An id already
 accepted is acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. Never
 raises.
 The sending side is ``rollout_push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
@@ -47,6 +48,7 @@ PAYLOAD_OVERHEAD = 256
 RATE_LIMITED = "rate_limited"
 FRAME_TOO_LARGE = "frame_too_large"
 BAD_FRAME = "bad_frame"
+BANNED = "banned"
 
 
 @dataclass
@@ -73,6 +75,7 @@ class RolloutIngestServicer(ServicerBase):
     :param validate: ``group -> ScoredGroup | Rejection`` (e.g. ``lambda g: validator.validate(g, version())``)
     :param buffer: the trainer's replay buffer (``add`` and ``free_room`` are used)
     :param current_version: the trainer's policy version, passed to ``buffer.add`` and echoed in acks
+    :param is_banned: ``peer_id -> bool``: senders whose pushes are refused unread (``banned``)
     """
 
     def __init__(
@@ -81,8 +84,10 @@ class RolloutIngestServicer(ServicerBase):
         buffer: ReplayBuffer,
         config: IngestServerConfig | None = None,
         current_version: Callable[[], int] | None = None,
+        is_banned: Callable[[str], bool] | None = None,
     ) -> None:
         self.validate = validate
+        self.is_banned = is_banned
         self.buffer = buffer
         self.config = config or IngestServerConfig()
         self.current_version = current_version
@@ -132,6 +137,8 @@ class RolloutIngestServicer(ServicerBase):
     ) -> tuple[list[rollouts_pb2.RolloutPayload], str | None]:
         """The payloads of one push, read frame by frame, and why reading stopped early (None: it did not)."""
         messages: list[rollouts_pb2.RolloutPayload] = []
+        if self.is_banned is not None and self.is_banned(sender):
+            return messages, f"{BANNED}: this trainer banned the sender"
         if not self._cpu.allows(sender, 0.0):
             return messages, f"{RATE_LIMITED}: validation time beyond {self.config.sender_cpu_share:g} s/s"
         try:
@@ -274,11 +281,9 @@ class RolloutIngestServicer(ServicerBase):
                     Reason.DUPLICATE_CONTENT.value,
                     "these completions were accepted already",
                 )
-        if config.refuse_when_full and self.buffer.free_room() <= 0:
-            return Status.REJECTED, Reason.BUFFER_FULL.value, "no room in the replay buffer"
         share = self._sender_share(sender)
-        if self.buffer.held_by(sender) >= share:
-            return Status.REJECTED, Reason.SENDER_QUOTA.value, f"this sender holds its share ({share} groups)"
+        if config.refuse_when_full and self.buffer.free_room() <= 0 and not self._room_for(sender, share):
+            return Status.REJECTED, Reason.BUFFER_FULL.value, "no room in the replay buffer"
         try:
             result = self.validate(group)
         except Exception as exc:  # validate should not raise; if it does, refuse and keep serving
@@ -288,7 +293,11 @@ class RolloutIngestServicer(ServicerBase):
             return Status.REJECTED, result.reason.value, result.detail
         if not isinstance(result, ScoredGroup):
             return Status.REJECTED, Reason.INTERNAL_ERROR.value, "validator returned no verdict"
-        added = self.buffer.add(result, self._version() if self.current_version is not None else None)
+        added = self.buffer.add(
+            result,
+            self._version() if self.current_version is not None else None,
+            sender_share=share,
+        )
         if added is AddResult.ADDED or added is AddResult.DUPLICATE:
             self._remember(group.rollout_id, content, sender)
             if added is AddResult.DUPLICATE:
@@ -320,6 +329,15 @@ class RolloutIngestServicer(ServicerBase):
             active = len(self._active) + (sender not in self._active)
         capacity = getattr(self.buffer, "capacity", 0)
         return max(self.config.min_sender_share, capacity // (active + 1))
+
+    def _room_for(self, sender: str, share: int) -> bool:
+        """Whether a full buffer would make room for ``sender``: it holds less than its share and another
+        sender holds more than its own (``ReplayBuffer.add`` with ``sender_share``)."""
+        held_by = getattr(self.buffer, "held_by", None)
+        biggest = getattr(self.buffer, "biggest_sender", None)
+        if held_by is None or biggest is None or held_by(sender) >= share:
+            return False
+        return biggest() > share
 
     def _count_refusal(self, sender: str, reason: str) -> None:
         """A push refused as a whole (rate, frame): counted once per push, like a group reason."""

@@ -292,8 +292,8 @@ def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_send
 ):
     """Parse before refuse, found by an attacker: hivemind read a whole 512 MiB frame before any size check
     (551 -> 2,065 MiB of trainer memory). Now a frame's length is checked from its header: the body is never
-    read. The same sender's replays under new ids, groups claiming another sampler, and groups beyond its
-    share of the buffer are refused too, while an honest sender's groups go in."""
+    read. The same sender's replays under new ids and groups claiming another sampler are refused, and a
+    full buffer makes room for an honest sender at the expense of a sender above its share."""
     keys, serve = run
     t1, _, i1, i2 = nodes
     config = IngestServerConfig(max_group_bytes=64 * 1024, min_sender_share=2)
@@ -334,18 +334,23 @@ def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_send
     flood = [honest_group(p) for p in (5, 6, 8)]
     ack = i2.loop.run(push(i2, [original, replay, impersonating, *flood]), timeout=15)
     verdicts = [a.reason or "accepted" for a in ack.acks]
-    # capacity 4, one active sender (the stranger) and room kept for one more: 2 at most
+    # the stranger alone fills the buffer (there is room: nobody is crowded out)
     assert verdicts == [
         "accepted",
         "duplicate_content",
         "not_the_sampler",
         "accepted",
-        "sender_quota",
-        "sender_quota",
-    ], verdicts
-    assert buffer.held_by(i2.peer_id) == 2
+        "accepted",
+        "accepted",
+    ]
+    assert buffer.held_by(i2.peer_id) == 4 and buffer.free_room() == 0
+    # the full buffer makes room for the honest sender at the stranger's expense, down to its share
     ack = i1.loop.run(push(i1, [honest_group(p) for p in (9, 10)]), timeout=15)
     assert [a.reason or "accepted" for a in ack.acks] == ["accepted", "accepted"]
+    assert buffer.held_by(i2.peer_id) == 2  # its two oldest groups went
+    assert {
+        g.prompt_id for g in (e.scored.group for e in buffer._heap) if g.sampler_peer_id == i2.peer_id
+    } == {6, 8}
     assert buffer.held_by(i1.peer_id) == 2 and len(buffer) == 4
 
 

@@ -9,7 +9,7 @@ def test_keys_carry_protocol_version_and_run_id():
     assert keys.policy == "echo/v1/my-run_1/policy"
     assert keys.providers == "echo/v1/my-run_1/providers"
     assert keys.run == "echo/v1/my-run_1/run"
-    assert set(keys.all_keys().values()) == {keys.peers, keys.policy, keys.providers, keys.run}
+    assert set(keys.all_keys().values()) == {keys.peers, keys.policy, keys.providers, keys.run, keys.bans}
 
 
 def test_two_runs_and_two_protocols_never_share_a_key():

@@ -92,17 +92,18 @@ def test_a_standby_trainer_publishes_nothing():
 
 
 def test_a_fresh_trainer_starts_on_the_grid_its_receivers_hold():
+    from echo_p2p.roles.trainer_weights import start_on_serving_grid
+
     torch.manual_seed(0)
     for encoding, dtype in (("auto", torch.bfloat16), ("patch", torch.bfloat16), ("fp16", torch.float16)):
         peer = trainer("async", encoding={"encoding": encoding, "serving_dtype": "bf16"})
-        peer.prefix = lambda: "trainer"
         before = [p.detach().clone() for p in peer.model.parameters()]
-        assert peer._start_on_serving_grid() > 0
+        assert start_on_serving_grid(peer.model, peer.section.encoding) > 0
         for p, b in zip(peer.model.parameters(), before, strict=True):
             assert p.dtype == torch.float32
             assert torch.equal(p, p.to(dtype).float())  # the receivers' cast is exact at version 0
             assert torch.equal(p, b.to(dtype).float())  # round to nearest, nothing else
     peer = trainer("async", encoding={"encoding": "int8-delta"})  # fp32 receivers: left alone
     before = [p.detach().clone() for p in peer.model.parameters()]
-    assert peer._start_on_serving_grid() == 0
+    assert start_on_serving_grid(peer.model, peer.section.encoding) == 0
     assert all(torch.equal(p, b) for p, b in zip(peer.model.parameters(), before, strict=True))

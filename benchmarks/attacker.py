@@ -1,0 +1,276 @@
+"""A stranger attacking a live run with the project's own protocol (not a pytest module, not for real runs).
+
+Used by ``benchmarks/attacks.py`` (training speed with and without each attack) and the attack tests. It
+joins the run's DHT from its join address, finds the trainers in the directory and does one thing until
+``--duration`` passes or SIGTERM, then writes what it saw (acks by verdict, refusals) as JSON to
+``--report``:
+
+* ``poison``: pushes valid-looking rollout groups (the run's task and prompts, completions of random tokens,
+  claimed rewards that the task's own verifier gives them) whose behaviour log-probs are the most extreme
+  a receiver could accept (-1e30 first, the log-prob floor of the trainer's vocabulary after that) and
+  replays each one under a new id; as fast as the trainers answer (buffer capture, ingest CPU);
+* ``oversized``: opens push streams whose first frame claims 512 MiB (parse before refuse);
+* ``heavy``: pushes groups of 3.1 M token ids each (parse-heavy groups);
+* ``flood``: a DHT node without echo_p2p's rules that stores 1,500 peer records under one key (its own
+  subkeys) expiring in 10^6 s, over and over (the directory flood);
+* ``ghost``: stores one ``role: trainer`` record under a key whose peer id sorts below every trainer's,
+  expiring as late as the DHT lets it, and leaves at once (the ghost trainer).
+
+Every wait is bounded; it stops only itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def trainers(directory) -> list:
+    return [e.record for e in directory.peers() if e.record.role == "trainer" and e.record.state == "running"]
+
+
+def poison_groups(
+    task, tokenizer, vocab: int, group_size: int, floor: float, rng: random.Random, version: int
+):
+    from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
+    from echo_p2p.rollout import Completion, RolloutGroup
+
+    prompt_id = task.sample_prompt_ids(rng, 1)[0]
+    prompt = encode_prompts(tokenizer, [task.prompt(prompt_id)])[0]
+    completions = []
+    for _ in range(group_size):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, task.max_new_tokens - 1))]
+        ids.append(tokenizer.eos_token_id)
+        reward = task.score(prompt_id, decode_completion(tokenizer, ids))
+        completions.append(Completion(token_ids=ids, logprobs=[floor] * len(ids), claimed_reward=reward))
+    group = RolloutGroup(
+        task=task.name,
+        prompt_id=prompt_id,
+        prompt_token_ids=prompt,
+        completions=completions,
+        policy_version=version,
+    )
+    replay = group.model_copy(deep=True)
+    replay.rollout_id = uuid.uuid4().hex
+    return [group, replay]
+
+
+class Attacker:
+    def __init__(self, args):
+        from echo_p2p.net.run_record import JoinAddress
+
+        self.args = args
+        self.join = JoinAddress.parse(args.join)
+        self.stop = threading.Event()
+        self.seen: Counter[str] = Counter()
+        self.rng = random.Random(args.seed)
+
+    def run(self) -> dict:
+        from echo_p2p.config import NetworkConfig
+        from echo_p2p.net.directory import SwarmDirectory
+        from echo_p2p.net.identity import load_or_create_identity
+        from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.net.node import start_dht, stop_dht
+
+        attack = self.args.attack
+        self.keys = SwarmKeys(self.join.run_id)
+        self.identity = load_or_create_identity(None)
+        if attack in ("flood",):
+            return self._flood()
+        self.dht = start_dht(
+            NetworkConfig(initial_peers=list(self.join.initial_peers), host_maddrs=LOOPBACK), self.identity
+        )
+        try:
+            self.directory = SwarmDirectory(self.dht, self.keys, self.identity, request_timeout=5)
+            if attack == "ghost":
+                return self._ghost()
+            return self._push_attack(attack)
+        finally:
+            stop_dht(self.dht)
+            self.identity.cleanup()
+
+    # ---- attacks on the trainers' ingest ---------------------------------------------------------------
+    def _push_attack(self, attack: str) -> dict:
+        from echo_p2p.transport.p2p_loop import P2PLoop
+        from echo_p2p.transport.rollout_config import rollout_namespace
+
+        loop = P2PLoop.from_dht(self.dht)
+        namespace = rollout_namespace(self.keys)
+        deadline = time.monotonic() + self.args.duration
+        make = self._maker(attack)
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                targets = [t for t in trainers(self.directory) if t.accepts_rollouts]
+                if not targets:
+                    self.stop.wait(0.5)
+                    continue
+                for record in targets:
+                    try:
+                        loop.run(self._send(loop, namespace, record, make(record)), timeout=20)
+                    except Exception as exc:
+                        key = f"error:{type(exc).__name__}"
+                        if key not in self.seen:
+                            print(f"{key}: {exc}"[:300], flush=True)
+                        self.seen[key] += 1
+                        self.stop.wait(0.2)
+        finally:
+            loop.shutdown()
+        return dict(self.seen)
+
+    def _maker(self, attack: str):
+        from echo_p2p.ml.models import ModelSpec, load_policy
+        from echo_p2p.tasks import build_task
+
+        task = build_task(self.args.task)
+        _, tokenizer = load_policy(ModelSpec(preset=self.args.model))
+        vocab = len(tokenizer)
+        state = {"first": True}
+
+        def make(record):
+            version = record.policy_version or 0
+            if attack == "oversized":
+                return "oversized"
+            if attack == "heavy":
+                from echo_p2p.rollout import Completion, RolloutGroup
+
+                ids = [5] * 3_100_000
+                completion = Completion(token_ids=ids, logprobs=[-1.0], claimed_reward=0.0)
+                return [
+                    RolloutGroup(
+                        task=task.name,
+                        prompt_id=0,
+                        prompt_token_ids=ids,
+                        completions=[completion],
+                        policy_version=version,
+                    )
+                ]
+            floor = -1e30 if state.pop("first", False) else math.log(1e-9 / vocab) + 0.01
+            groups = []
+            for _ in range(8):
+                groups += poison_groups(
+                    task, tokenizer, vocab, self.args.group_size, floor, self.rng, version
+                )
+            return groups
+
+        return make
+
+    async def _send(self, loop, namespace: str, record, payload) -> None:
+        from hivemind.p2p import P2P
+
+        from echo_p2p.proto import rollouts_pb2
+        from echo_p2p.transport.p2p_loop import peer_id_of
+        from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
+
+        await loop.dial(record.peer_id, record.maddrs, timeout=5)
+        if payload == "oversized":
+            name = RolloutIngestServicer._get_handle_name(namespace, "rpc_push_rollouts")
+            _, reader, writer = await loop.p2p.call_binary_stream_handler(peer_id_of(record.peer_id), name)
+            try:
+                writer.write(P2P.MESSAGE_MARKER + (512 << 20).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+                writer.write(b"\0" * (1 << 20))
+                await writer.drain()
+                ack, _ = await asyncio.wait_for(P2P.receive_protobuf(rollouts_pb2.PushAck, reader), 10)
+                self.seen[(ack.error or "no error").split(":")[0]] += 1
+            finally:
+                writer.close()
+            return
+        stub = RolloutIngestServicer.get_stub(loop.p2p, peer_id_of(record.peer_id), namespace=namespace)
+
+        async def messages():
+            for group in payload:
+                yield rollouts_pb2.RolloutPayload(rollout_id=group.rollout_id, group=group.to_bytes())
+
+        ack = await stub.rpc_push_rollouts(messages(), timeout=15)
+        if ack.error:
+            self.seen[ack.error.split(":")[0]] += 1
+        for item in ack.acks:
+            self.seen[item.reason or "accepted"] += 1
+
+    # ---- attacks on the directory -----------------------------------------------------------------------
+    def _ghost(self) -> dict:
+        from echo_p2p.net.identity import load_or_create_identity
+        from echo_p2p.net.records import MAX_RECORD_TTL, PeerRecord
+
+        lowest = min((t.peer_id for t in trainers(self.directory)), default="Qm")
+        for _ in range(500):
+            ghost = load_or_create_identity(None)
+            if ghost.peer_id < lowest:
+                break
+            ghost.cleanup()
+        directory = type(self.directory)(self.dht, self.keys, ghost, request_timeout=5)
+        for ttl in (1e6, MAX_RECORD_TTL):
+            stored = directory._store(self.keys.peers, PeerRecord(peer_id=ghost.peer_id, role="trainer"), ttl)
+            self.seen[f"stored_ttl_{int(ttl)}" if stored else f"refused_ttl_{int(ttl)}"] += 1
+        ghost.cleanup()
+        return dict(self.seen)
+
+    def _flood(self) -> dict:
+        import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils import get_dht_time
+
+        from echo_p2p.net.records import PeerRecord
+
+        dht = hivemind.DHT(
+            start=True,
+            host_maddrs=LOOPBACK,
+            initial_peers=list(self.join.initial_peers),
+            record_validators=[RSASignatureValidator(self.identity.private_key)],
+        )
+        deadline = time.monotonic() + self.args.duration
+        value = PeerRecord(peer_id=self.identity.peer_id, role="trainer", accepts_rollouts=True).to_wire()
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                for i in range(1500):
+                    if self.stop.is_set():
+                        break
+                    future = dht.store(
+                        self.keys.peers,
+                        value,
+                        get_dht_time() + 1e6,
+                        subkey=self.identity.owner_key + b"%d" % i,
+                        return_future=True,
+                    )
+                    try:
+                        self.seen["stored" if future.result(timeout=5) else "refused"] += 1
+                    except Exception:
+                        self.seen["timeout"] += 1
+        finally:
+            dht.shutdown()
+            self.identity.cleanup()
+        return dict(self.seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--join", required=True, help="the run's join address RUN:OWNER@MADDRS")
+    p.add_argument("--attack", required=True, choices=["poison", "oversized", "heavy", "flood", "ghost"])
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--task", default="count")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", default=None, help="write what the attacker saw here (JSON)")
+    args = p.parse_args(argv)
+    attacker = Attacker(args)
+    signal.signal(signal.SIGTERM, lambda *_: attacker.stop.set())
+    seen = attacker.run()
+    if args.report:
+        Path(args.report).write_text(json.dumps({"attack": args.attack, "seen": seen}))
+    print(json.dumps(seen), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""What a stranger costs a run: training speed with and without each attack, side by side in one run.
+
+Each arm runs the README's local swarm (``python -m echo_p2p.local``: a bootstrap with the owner's run record,
+one trainer, two inference peers that join with the run's address, tiny model, ``count`` task, async) for
+``--duration`` seconds; in every arm but ``baseline`` a stranger (``benchmarks/attacker.py``) joins the same
+run from its join address as soon as the bootstrap is up and attacks until the end. The attacker runs
+at nice 19: on a real network it has a machine of its own, and what is measured here is what its messages
+cost the run, not its share of these two cores. Reported per arm: steps
+in the budget, steps per minute between the trainer's first and last step and its ratio to ``baseline``,
+rollouts consumed per second, the reward of the last 10 steps, and what the attacker saw (the trainers'
+verdicts on what it sent, or the DHT's).
+
+Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,poison,oversized,heavy,flood,ghost]
+[--out PATH]`` (about 1.5 minutes per arm). Writes JSON to ``--out``. The machine is shared and noisy:
+compare arms of the same run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ARMS = ("baseline", "poison", "oversized", "heavy", "flood", "ghost")
+
+
+def wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(p.exists() for p in paths):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def stop(proc: subprocess.Popen | None, grace: float = 20.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def run_arm(arm: str, duration: float, workroot: Path) -> dict[str, Any]:
+    from echo_p2p.net.run_record import read_file
+
+    workdir = workroot / arm
+    local = subprocess.Popen(
+        [sys.executable, "-m", "echo_p2p.local", "--duration", str(duration), "--workdir", str(workdir)],
+        cwd=str(ROOT),
+        stdout=open(workroot / f"{arm}-local.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    attacker = None
+    report = workroot / f"{arm}-attacker.json"
+    try:
+        files = [workdir / "bootstrap.maddrs", workdir / "run-record.bin"]
+        if not wait_for_files(files, local, 120):
+            raise RuntimeError(f"{arm}: the local swarm did not start (see {workroot / f'{arm}-local.log'})")
+        if arm != "baseline":
+            record, _, _ = read_file(workdir / "run-record.bin")
+            maddr = (workdir / "bootstrap.maddrs").read_text().split()[0]
+            join = f"{record.run_id}:{record.owner_peer_id()}@{maddr}"
+            attacker = subprocess.Popen(
+                ["nice", "-n", "19", sys.executable, str(HERE / "attacker.py"), "--attack", arm]
+                + ["--join", join, "--duration", str(duration), "--report", str(report)],
+                cwd=str(ROOT),
+                stdout=open(workroot / f"{arm}-attacker.log", "wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        local.wait(timeout=duration + 180)
+    finally:
+        stop(local)
+        stop(attacker)
+    summary = json.loads((workdir / "summary.json").read_text())
+    seen = json.loads(report.read_text())["seen"] if report.exists() else {}
+    span = summary.get("seconds_training") or 0.0
+    return {
+        "arm": arm,
+        "steps": summary["steps"],
+        "steps_per_minute": round(60 * (summary["steps"] - 1) / span, 1) if span > 0 else 0.0,
+        "rollouts_per_second": round(summary.get("rollouts_per_second") or 0.0, 1),
+        "reward_final": summary.get("reward_final"),
+        "refused_at_ingest": summary.get("refused_at_ingest"),
+        "attacker_saw": seen,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--out", default=str(HERE / "results" / "attacks.json"))
+    args = p.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        p.error(f"unknown arms {sorted(unknown)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="echo-attacks-") as tmp:
+        for arm in arms:
+            rows.append(run_arm(arm, args.duration, Path(tmp)))
+            print(f"{arm}: {rows[-1]}", flush=True)
+    base = next((r for r in rows if r["arm"] == "baseline"), None)
+    print(
+        f"\n{'arm':<10} {'steps':>6} {'steps/min':>10} {'x base':>7} {'roll/s':>7} {'reward':>7}  attacker saw"
+    )
+    for r in rows:
+        ratio = (
+            r["steps_per_minute"] / base["steps_per_minute"] if base and base["steps_per_minute"] else None
+        )
+        r["ratio_to_baseline"] = round(ratio, 3) if ratio is not None else None
+        seen = ", ".join(f"{k} {v}" for k, v in sorted(r["attacker_saw"].items(), key=lambda kv: -kv[1])[:4])
+        print(
+            f"{r['arm']:<10} {r['steps']:>6} {r['steps_per_minute']:>10.1f} "
+            f"{'-' if ratio is None else format(ratio, '.2f'):>7} {r['rollouts_per_second']:>7.1f} "
+            f"{r['reward_final'] if r['reward_final'] is not None else '-':>7}  {seen}"
+        )
+    out = {
+        "benchmark": "attacks",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "duration_s": args.duration,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

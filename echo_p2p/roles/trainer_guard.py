@@ -1,0 +1,89 @@
+"""A trainer's defence against senders that lie about their behaviour log-probs.
+
+Owned here: ``SenderGuard``, which the trainer peer feeds after every step with the groups it trained on
+and the learner's per-group log-prob gaps (``Learner.last_group_gaps``; completions above the gap were
+already left out of the loss). Repeat offenders are banned (``train.reputation``): the ingest refuses their
+pushes before reading them and their groups leave the buffer. The guard publishes this trainer's bans on
+the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
+trainers shares none: anyone could ban an honest peer). Every DHT call is bounded by the directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from echo_p2p.net.records import Ban, BanRecord
+from echo_p2p.train.reputation import Reputation, ReputationConfig
+
+logger = logging.getLogger(__name__)
+
+
+class SenderGuard:
+    def __init__(self, config: ReputationConfig, peer_id: str, buffer=None, trust=None) -> None:
+        self.reputation = Reputation(config)
+        self.peer_id = peer_id
+        self.buffer = buffer
+        self.trust = trust
+        self.counters: Counter[str] = Counter()
+        self._published: tuple = ()
+
+    def is_banned(self, sender: str) -> bool:
+        return self.reputation.is_banned(sender)
+
+    def judge(self, groups, gaps: list[float]) -> list[str]:
+        """Record each trained group's gap against its sender; returns the senders banned by it."""
+        banned = []
+        for scored, gap in zip(groups, gaps, strict=False):
+            sender = scored.group.sampler_peer_id
+            if self.reputation.record(sender, gap):
+                banned.append(sender)
+                self._drop(sender, "banned")
+                logger.warning(
+                    "banned %s: behaviour log-probs off by %.2f nats per token (limit %.2f), %d times",
+                    sender,
+                    gap,
+                    self.reputation.config.max_logprob_gap,
+                    self.reputation.config.strikes,
+                )
+        return banned
+
+    def share(self, directory, ttl: float) -> None:
+        """Publish this trainer's bans (when they changed) and adopt those of the run's trusted trainers."""
+        bans = self.reputation.bans()
+        current = tuple(sorted(bans))
+        if bans and current != self._published:
+            record = BanRecord(
+                peer_id=self.peer_id,
+                bans=[
+                    Ban(peer_id=p, until=until, reason=reason)
+                    for p, (until, reason) in sorted(bans.items(), key=lambda kv: -kv[1][0])[:256]
+                ],
+            )
+            if directory.announce_bans(record, ttl):
+                self._published = current
+        if self.trust is None or not self.trust.configured:
+            return
+        for entry in directory.ban_records():
+            record = entry.record
+            if record.peer_id == self.peer_id or not self.trust.is_trusted(record.peer_id):
+                continue
+            for ban in record.bans:
+                if ban.peer_id != self.peer_id and self.reputation.ban(ban.peer_id, ban.until, ban.reason):
+                    self.counters["bans_adopted"] += 1
+                    self._drop(ban.peer_id, "adopted a ban")
+
+    def _drop(self, sender: str, why: str) -> None:
+        if self.buffer is not None:
+            dropped = self.buffer.drop_sender(sender)
+            self.counters["groups_dropped_banned"] += dropped
+            logger.info("%s %s: dropped its %d buffered groups", why, sender, dropped)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "groups_checked": self.reputation.checked,
+            "groups_over_gap": self.reputation.failed,
+            "banned": len(self.reputation.bans()),
+            **dict(self.counters),
+        }

@@ -1,0 +1,132 @@
+"""Senders' reputation on a trainer: behaviour log-prob checks, strikes and bans.
+
+A trainer recomputes the log-prob of every token it trains on; a sampler reports the log-prob it sampled
+each token with. At the same policy the two agree (to rounding); a stale or quantised sampler differs by a
+little; a sampler that makes them up differs by a lot. ``Reputation`` records, per sender, each group's
+mean |gap| per token (``Learner.last_group_gaps``): a group above ``max_logprob_gap`` is a strike (a
+completion above ``exclude_logprob_gap`` was already left out of the loss), ``strikes`` of them within ``window`` seconds ban the sender for
+``ban_seconds``: its pushes are refused (``banned``) and its groups dropped from the buffer. Bans also arrive
+from the other trainers of the run (their signed ``BanRecord``s): one trainer's finding protects them all.
+
+Owned here: ``ReputationConfig`` and ``Reputation`` (thread-safe, bounded memory). No I/O: the trainer peer
+feeds it and publishes its bans. Must not import torch or hivemind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ReputationConfig(BaseModel):
+    """How a trainer judges the behaviour log-probs its senders report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_logprob_gap: float | None = Field(
+        default=2.0,
+        gt=0,
+        description="Largest mean |behaviour - trainer log-prob| per token (nats) over a group's tokens; "
+        "above it the group is a strike against its sender. Honest fp32, 8-bit and 4-bit samplers up to "
+        "max_staleness versions behind stay well below (docs/security.md). None: no strikes.",
+    )
+    exclude_logprob_gap: float | None = Field(
+        default=4.0,
+        gt=0,
+        description="A completion whose own mean gap per token is above this is left out of the loss (the "
+        "learner's ``max_logprob_gap``): short honest completions are noisier than groups. None: none.",
+    )
+    strikes: int = Field(default=3, ge=1, description="Strikes within ``window`` that ban a sender")
+    window: float = Field(default=600.0, gt=0, description="Seconds a strike counts")
+    ban_seconds: float = Field(default=1800.0, gt=0, le=86400, description="How long a ban lasts")
+    max_tracked: int = Field(default=4096, ge=1, description="Senders remembered (least recent forgotten)")
+
+
+@dataclass
+class _Sender:
+    strikes: deque[float] = field(default_factory=deque)  # monotonic times of recent strikes
+    checked: int = 0
+    failed: int = 0
+
+
+class Reputation:
+    """Per-sender strikes and bans (see the module doc). Times are wall-clock (bans are shared)."""
+
+    def __init__(self, config: ReputationConfig | None = None) -> None:
+        self.config = config or ReputationConfig()
+        self._senders: OrderedDict[str, _Sender] = OrderedDict()
+        self._bans: dict[str, tuple[float, str]] = {}  # peer id -> (until, reason)
+        self._lock = threading.Lock()
+        self.checked = 0
+        self.failed = 0
+
+    def record(self, sender: str, gap: float, now: float | None = None) -> bool:
+        """One group of ``sender`` whose largest log-prob gap was ``gap``; True when this bans the sender."""
+        limit = self.config.max_logprob_gap
+        if not sender or limit is None:
+            return False
+        now = time.time() if now is None else now
+        with self._lock:
+            stats = self._senders.get(sender)
+            if stats is None:
+                stats = self._senders[sender] = _Sender()
+                while len(self._senders) > self.config.max_tracked:
+                    self._senders.popitem(last=False)
+            self._senders.move_to_end(sender)
+            stats.checked += 1
+            self.checked += 1
+            if gap <= limit:
+                return False
+            stats.failed += 1
+            self.failed += 1
+            stats.strikes.append(now)
+            while stats.strikes and stats.strikes[0] < now - self.config.window:
+                stats.strikes.popleft()
+            if len(stats.strikes) < self.config.strikes or self._banned_locked(sender, now):
+                return False
+            self._bans[sender] = (now + self.config.ban_seconds, "logprob_gap")
+            return True
+
+    def ban(self, sender: str, until: float, reason: str, now: float | None = None) -> bool:
+        """Ban ``sender`` until ``until`` (wall clock, capped at ``ban_seconds`` from now); True if new."""
+        now = time.time() if now is None else now
+        until = min(until, now + self.config.ban_seconds)
+        if until <= now:
+            return False
+        with self._lock:
+            new = not self._banned_locked(sender, now)
+            if new or until > self._bans[sender][0]:
+                self._bans[sender] = (until, reason[:32])
+                self._trim(now)
+            return new
+
+    def is_banned(self, sender: str, now: float | None = None) -> bool:
+        with self._lock:
+            return self._banned_locked(sender, time.time() if now is None else now)
+
+    def bans(self, now: float | None = None) -> dict[str, tuple[float, str]]:
+        """The bans in force: peer id -> (until, reason)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._trim(now)
+            return dict(self._bans)
+
+    def sender_stats(self, sender: str) -> tuple[int, int]:
+        """``(groups checked, groups above the gap)`` of ``sender``."""
+        with self._lock:
+            stats = self._senders.get(sender)
+            return (stats.checked, stats.failed) if stats else (0, 0)
+
+    def _banned_locked(self, sender: str, now: float) -> bool:
+        ban = self._bans.get(sender)
+        return ban is not None and ban[0] > now
+
+    def _trim(self, now: float) -> None:
+        for peer in [p for p, (until, _) in self._bans.items() if until <= now]:
+            del self._bans[peer]
+        while len(self._bans) > self.config.max_tracked:  # keep the longest bans
+            del self._bans[min(self._bans, key=lambda p: self._bans[p][0])]
