@@ -110,3 +110,37 @@ def test_record_file_round_trip_and_refusal(people, tmp_path):
     path.write_bytes(b"not msgpack")
     with pytest.raises(ValueError, match="not a signed run record"):
         rr.read_file(path)
+
+
+def test_owner_cli_signs_a_record_of_a_trainers_file_and_shows_it(people, tmp_path, capsys):
+    from echo_p2p import owner as cli
+    from echo_p2p.transport.trust import trainer_key_line
+
+    trainers = tmp_path / "trainers.txt"
+    trainers.write_text(trainer_key_line(people["t1"]) + "\n" + people["t2"].peer_id + "\n")
+    out = tmp_path / "demo.record"
+    owner_id = tmp_path / "owner.id"
+    cli.main(
+        ["sign", "--owner-identity", str(owner_id), "--run-id", "demo", "--trainers", str(trainers)]
+        + ["--model", "tiny", "--task", "count", "--mode", "async", "--serial", "7", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    record, _, _ = rr.read_file(out)
+    assert record.serial == 7 and set(record.trainers) == {people["t1"].peer_id, people["t2"].peer_id}
+    assert f"join address: demo:{record.owner_peer_id()}@" in printed
+    cli.main(["show", str(out)])
+    assert '"serial": 7' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "sign",
+                "--owner-identity",
+                str(owner_id),
+                "--run-id",
+                "bad run",
+                "--trainers",
+                str(trainers),
+                "--out",
+                str(out),
+            ]
+        )

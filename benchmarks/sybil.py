@@ -1,0 +1,125 @@
+"""What a Sybil (many keys, one record each) does to the directory: read times as the flood grows.
+
+One key holds one record per directory key (docs/security.md), but keys are cheap. This starts a bootstrap
+node and a reader node with echo_p2p's rules on 127.0.0.1, has ``N`` fresh keys each store one valid
+``PeerRecord`` (role inference) in a run, and measures, for each ``N``, how long the reader's
+``SwarmDirectory.peers()`` takes (median of ``--reads``), how many records it returns, and how long reading
+the run's other keys takes (``policies()``, which a flood of peer records does not touch). Also the time to
+make one key (what a Sybil pays per identity).
+
+    .venv/bin/python benchmarks/sybil.py [--sizes 0,100,300,1000] [--reads 5] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="0,100,300,1000")
+    p.add_argument("--reads", type=int, default=5)
+    p.add_argument("--out", default=str(HERE / "results" / "sybil.json"))
+    args = p.parse_args(argv)
+    sizes = sorted(int(x) for x in args.sizes.split(","))
+
+    from echo_p2p.config import NetworkConfig
+    from echo_p2p.net.directory import SwarmDirectory
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
+    from echo_p2p.net.records import PeerRecord
+
+    keys = SwarmKeys("sybil")
+    boot_id, reader_id, writer_id = (load_or_create_identity(None) for _ in range(3))
+    boot = start_dht(NetworkConfig(host_maddrs=LOOP), boot_id, [keys])
+    peers = visible_maddrs(boot)
+    reader = start_dht(NetworkConfig(host_maddrs=LOOP, initial_peers=peers), reader_id, [keys])
+    writer = start_dht(NetworkConfig(host_maddrs=LOOP, initial_peers=peers), writer_id, [keys])
+    directory = SwarmDirectory(reader, keys, reader_id, request_timeout=30)
+    rows = []
+    stored = 0
+    keygen = []
+    try:
+        for size in sizes:
+            while stored < size:
+                t0 = time.perf_counter()
+                ident = load_or_create_identity(None)
+                keygen.append(time.perf_counter() - t0)
+                record = PeerRecord(peer_id=ident.peer_id, role="inference").to_wire()
+                stored += bool(writer.run_coroutine(_SignedStore(keys.peers, ident.private_key, record)))
+                ident.cleanup()
+            times, counts = [], []
+            for _ in range(args.reads):
+                t0 = time.perf_counter()
+                counts.append(len(directory.peers()))
+                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            directory.policies()
+            other = time.perf_counter() - t0
+            rows.append(
+                {
+                    "sybil_keys": size,
+                    "records_read": statistics.median(counts),
+                    "peers_read_s_median": round(statistics.median(times), 4),
+                    "peers_read_s_max": round(max(times), 4),
+                    "policy_read_s": round(other, 4),
+                }
+            )
+            print(rows[-1], flush=True)
+    finally:
+        for dht in (writer, reader, boot):
+            stop_dht(dht)
+        for ident in (boot_id, reader_id, writer_id):
+            ident.cleanup()
+    print(f"\n{'keys':>6} {'read':>6} {'peers() s':>10} {'max s':>7} {'policy s':>9}")
+    for r in rows:
+        print(
+            f"{r['sybil_keys']:>6} {r['records_read']:>6.0f} {r['peers_read_s_median']:>10.3f} "
+            f"{r['peers_read_s_max']:>7.3f} {r['policy_read_s']:>9.3f}"
+        )
+    keygen_s = statistics.median(keygen) if keygen else None
+    print(f"one key: {keygen_s:.3f} s" if keygen_s else "")
+    out = {
+        "benchmark": "sybil",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "keygen_s_median": keygen_s,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+
+
+class _SignedStore:
+    """Runs in the writer's DHT process: stores ``record`` under ``key`` signed by ``private_key`` (a Sybil
+    identity), by pointing the node's signature validator at that key for this one store."""
+
+    def __init__(self, key: str, private_key, record) -> None:
+        self.key, self.private_key, self.record = key, private_key, record
+
+    async def __call__(self, _dht, node) -> bool:
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils import get_dht_time
+
+        validator = next(
+            v for v in node.protocol.record_validator._validators if isinstance(v, RSASignatureValidator)
+        )
+        marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(
+            b"_key_", self.private_key.get_public_key().to_bytes()
+        )
+        validator._private_key, validator._local_public_key = self.private_key, marker
+        return bool(await node.store(self.key, self.record, get_dht_time() + 600, subkey=marker))
+
+
+if __name__ == "__main__":
+    main()
