@@ -100,3 +100,28 @@ def test_directory_reads_one_record_per_owner_key_and_no_far_expiry():
     assert directory.rejected == {"bad_subkey": 21, "expiry_too_far": 1}
     honest.cleanup()
     flooder.cleanup()
+
+
+def test_the_largest_honest_group_fits_the_wire_bound_that_trainers_enforce():
+    """Trainers refuse frames above ``RolloutGroup.max_wire_bytes`` unread: every honest group must fit,
+    token ids as large as 32 bits and log-probs as precise as a double included."""
+    from echo_p2p.rollout import Completion, RolloutGroup
+
+    prompt, group_size, completion = 1024, 16, 512
+    group = RolloutGroup(
+        task="arithmetic" * 6,
+        prompt_id=2**62,
+        prompt_token_ids=[2**32 - 1] * prompt,
+        completions=[
+            Completion(
+                token_ids=[2**32 - 1] * completion, logprobs=[-1 / 3] * completion, claimed_reward=1 / 3
+            )
+            for _ in range(group_size)
+        ],
+        policy_version=2**62,
+        sampler_peer_id="Qm" + "x" * 126,
+        sampled_at=1.0e9 + 1 / 3,
+    )
+    size = len(group.to_bytes())
+    bound = RolloutGroup.max_wire_bytes(prompt, group_size, completion)
+    assert size <= bound < 1.1 * size + 4096, (size, bound)
