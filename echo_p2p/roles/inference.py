@@ -54,7 +54,7 @@ class InferencePeer(BasePeer):
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollout_config import rollout_namespace
         from echo_p2p.transport.trust import TrustedTrainers
-        from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+        from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 
         run, section = self.config.run, self.section
         if section.threads:

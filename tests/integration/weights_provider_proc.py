@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.transport.trust import TrustedTrainers
-    from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
-    from echo_p2p.transport.weights_service import ServiceLimits
+    from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
+    from echo_p2p.transport.weights.service import ServiceLimits
 
     keys = SwarmKeys(args.run_id)
     identity = load_or_create_identity(None)

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import torch
 
 from echo_p2p.net.records import PolicyRecord
-from echo_p2p.transport.weights_fetch_session import _FetchSession, _Source
-from echo_p2p.transport.weights_fetcher import FetcherConfig, FetchStats
-from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits
+from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
+from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits
+from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
 
 
@@ -32,7 +33,7 @@ def session(**config) -> tuple[_FetchSession, str]:
 def test_the_publisher_is_spared_the_chunks_a_peer_holds():
     s, digest = session(chunks_per_request=4)
     publisher = s.sources["QmPub"]
-    peer = s.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = s.sources["QmPeer"] = Source("QmPeer", [])
     peer.complete.add(digest)
     alive = [publisher, peer]
     assert s._pick_work(publisher, alive, stalled=False) is None
@@ -46,7 +47,7 @@ def test_the_publisher_is_spared_the_chunks_a_peer_holds():
 def test_the_publisher_gets_what_no_peer_holds_or_fetches_with_a_freshness_window():
     s, digest = session()
     publisher = s.sources["QmPub"]
-    partial = s.sources["QmPartial"] = _Source("QmPartial", [])
+    partial = s.sources["QmPartial"] = Source("QmPartial", [])
     partial.partial.add(digest)
     partial.have[digest] = {0, 1, 2}
     partial.fetching[digest] = {3, 4}
@@ -60,7 +61,7 @@ def test_the_publisher_gets_what_no_peer_holds_or_fetches_with_a_freshness_windo
 def test_a_dropped_peer_leaves_everything_to_the_publisher():
     s, digest = session()
     publisher = s.sources["QmPub"]
-    peer = s.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = s.sources["QmPeer"] = Source("QmPeer", [])
     peer.complete.add(digest)
     peer.dropped = True
     _, candidates, _, _ = s._pick_work(publisher, s._alive(), stalled=False)
@@ -81,7 +82,7 @@ def test_chunks_in_flight_are_not_asked_twice_and_picks_are_bounded():
 def test_a_failing_peer_is_dropped_but_the_publisher_only_backs_off():
     s, digest = session(max_provider_failures=2)
     publisher = s.sources["QmPub"]
-    peer = s.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = s.sources["QmPeer"] = Source("QmPeer", [])
     s.f.endpoint.forget = lambda peer_id: None
     for _ in range(3):
         s._fail(peer, "timeout", TimeoutError())

@@ -20,9 +20,10 @@ from hivemind.p2p import P2PContext, PeerID
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights_fetch_session import FetchError, _FetchSession, _Source
-from echo_p2p.transport.weights_fetcher import FetcherConfig, FetchStats
-from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
+from echo_p2p.transport.weights.config import FetcherConfig, FetchError, FetchStats
+from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
+from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
 
 ME = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
@@ -166,7 +167,7 @@ async def test_the_window_stays_while_another_provider_lists_the_version(verifie
 
 def test_a_provider_that_forgot_a_version_no_longer_spares_the_publisher(verifier):
     session, _, served = setup(verifier)
-    peer = session.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = session.sources["QmPeer"] = Source("QmPeer", [])
     peer.partial.add(served.digest)
     peer.have[served.digest] = set(range(5))
     peer.fetching[served.digest] = set(range(5, 10))

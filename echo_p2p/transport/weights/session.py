@@ -4,9 +4,9 @@ Owned here: ``_FetchSession`` (used by ``WeightFetcher._fetch``: which chunk to 
 per-chunk deadlines, retries elsewhere on timeout, error, bad digest or a broken stream, banning a provider
 that served bad data, sparing the publisher, ending a fetch that cannot complete: ``version_dropped`` at
 once when the publisher no longer serves a manifest of the chain, ``no_providers`` when nobody alive lists
-one), its per-provider ``_Source`` state, and the errors and progress records a fetch reports
-(``FetchError``, ``FetchProgress``). Split from ``weights_fetcher`` so that
-the fetcher keeps the peer-facing API (records, trust, chains, atomic apply) and this module the transfer.
+one). Per-provider state is ``providers.Source``, the stream reader ``stream``, the errors and progress
+records a fetch reports (``FetchError``, ``FetchProgress``) ``config``. Split from ``fetcher`` so that the
+fetcher keeps the peer-facing API (records, trust, chains, atomic apply) and this module the transfer.
 Must not decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
 """
 
@@ -17,85 +17,20 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from echo_p2p.net.records import PolicyRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights_service import (
-    RemoteError,
-    ServedVersion,
-    StreamViolation,
-    bitmap_indices,
-)
+from echo_p2p.transport.weights.config import FetchError, FetchProgress
+from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.service import ServedVersion, bitmap_indices
+from echo_p2p.transport.weights.stream import RemoteError, StreamBroken, StreamState, StreamViolation
 from echo_p2p.weights import ChunkDigestError, ChunkError
 
 if TYPE_CHECKING:
-    from echo_p2p.transport.weights_fetcher import WeightFetcher
+    from echo_p2p.transport.weights.fetcher import WeightFetcher
 
-logger = logging.getLogger("echo_p2p.transport.weights_fetcher")
-
-
-class FetchError(Exception):
-    """A fetch that did not complete; ``reason`` is the counter name."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-@dataclass
-class FetchProgress:
-    """Where a fetch stands (passed to the progress callback after each verified chunk)."""
-
-    version: int
-    chunks_done: int
-    chunks_total: int
-    bytes_done: int
-    bytes_total: int
-    providers: int
-    elapsed: float
-
-
-class _Source:
-    """One provider during one fetch: what it holds, what is in flight to it, how it behaved."""
-
-    def __init__(self, peer_id: str, maddrs: Iterable[str], publisher: bool = False):
-        self.peer_id = peer_id
-        self.maddrs = list(maddrs)
-        self.publisher = publisher
-        self.complete: set[str] = set()
-        self.partial: set[str] = set()
-        self.have: dict[str, set[int]] = {}
-        self.fetching: dict[str, set[int]] = {}
-        self.inflight = 0
-        self.failures = 0
-        self.dropped = False
-        self.busy_until = 0.0
-        self.next_have = 0.0
-        self.polling = False
-        self.rate: float | None = None  # bytes/s of its recent streams
-
-    def lists(self, digest: str) -> bool:
-        """Whether it may still serve chunks of ``digest`` (complete, or partial and not gone since)."""
-        return digest in self.complete or digest in self.partial
-
-    def holds(self, digest: str, index: int) -> bool:
-        return digest in self.complete or (digest in self.partial and index in self.have.get(digest, ()))
-
-    def will_hold(self, digest: str, index: int) -> bool:
-        """Holds chunk ``index`` of ``digest`` or is fetching it (so it will serve it soon)."""
-        return self.holds(digest, index) or (
-            digest in self.partial and index in self.fetching.get(digest, ())
-        )
-
-    def forget(self, digest: str) -> None:
-        """It no longer holds ``digest`` (``not_held``, or ``have`` said so): ask it nothing of it again."""
-        self.complete.discard(digest)
-        self.partial.discard(digest)
-        self.have.pop(digest, None)
-        self.fetching.pop(digest, None)
+logger = logging.getLogger("echo_p2p.transport.weights.fetcher")
 
 
 class _FetchSession:
@@ -108,9 +43,9 @@ class _FetchSession:
         self.entries = {e.digest: e for e in entries}
         self.order = [e.digest for e in entries]
         self.missing = {e.digest: set(e.store.missing()) for e in entries}
-        self.inflight: dict[str, dict[int, _Source]] = {e.digest: {} for e in entries}
+        self.inflight: dict[str, dict[int, Source]] = {e.digest: {} for e in entries}
         self.picks: Counter = Counter()  # digest -> chunks asked in pick mode whose first part has not come
-        self.sources: dict[str, _Source] = {}
+        self.sources: dict[str, Source] = {}
         self.chunks_total = sum(e.manifest.num_chunks for e in entries)
         self.bytes_total = sum(e.manifest.total_bytes for e in entries)
         self.bytes_done = 0
@@ -128,7 +63,7 @@ class _FetchSession:
         self.empty_picks: dict[str, float] = {}
         self.no_window: set[str] = set()  # digests asked of the publisher without the window
         self.refresh_now = False
-        publisher = _Source(record.peer_id, record.maddrs, publisher=True)
+        publisher = Source(record.peer_id, record.maddrs, publisher=True)
         publisher.complete = set(self.order)
         if fetcher._banned_until.get(record.peer_id, 0) <= time.monotonic():
             self.sources[record.peer_id] = publisher
@@ -172,7 +107,7 @@ class _FetchSession:
             "tasks": len(self.tasks),
         }
 
-    def _alive(self) -> list[_Source]:
+    def _alive(self) -> list[Source]:
         return [s for s in self.sources.values() if not s.dropped]
 
     def _orphans(self) -> list[str]:
@@ -268,7 +203,7 @@ class _FetchSession:
                 continue
             source = self.sources.get(p.peer_id)
             if source is None:
-                source = self.sources[p.peer_id] = _Source(p.peer_id, p.maddrs)
+                source = self.sources[p.peer_id] = Source(p.peer_id, p.maddrs)
             source.complete |= complete
             source.partial |= partial - source.complete
         # the publisher had nothing fresh for a digest before this read: if no other live provider is known
@@ -290,7 +225,7 @@ class _FetchSession:
                 s.next_have = now + self.cfg.have_period
                 self._spawn(self._poll_have(s, digests))
 
-    async def _poll_have(self, s: _Source, digests: list[str]) -> None:
+    async def _poll_have(self, s: Source, digests: list[str]) -> None:
         try:
             await self.f.endpoint.connect(s.peer_id, s.maddrs, self.cfg.request_timeout)
             for digest in digests:
@@ -331,7 +266,7 @@ class _FetchSession:
                 self._spawn(self._request(s, digest, indices, pick, fresh_for))
 
     def _pick_work(
-        self, s: _Source, alive: list[_Source], stalled: bool
+        self, s: Source, alive: list[Source], stalled: bool
     ) -> tuple[str, list[int], int, float] | None:
         limit = self.f.endpoint.limits.max_chunks_per_request
         for digest in self.order:
@@ -369,9 +304,7 @@ class _FetchSession:
         return None
 
     # ---- one stream ---------------------------------------------------------------------------------
-    async def _request(
-        self, s: _Source, digest: str, indices: list[int], pick: int, fresh_for: float
-    ) -> None:
+    async def _request(self, s: Source, digest: str, indices: list[int], pick: int, fresh_for: float) -> None:
         """One chunk stream from ``s``; every outcome is mapped to a counter, a retry or a ban here."""
         entry = self.entries[digest]
         manifest = entry.manifest
@@ -383,7 +316,7 @@ class _FetchSession:
             pick=pick,
             fresh_for=fresh_for,
         )
-        state = _StreamState(
+        state = StreamState(
             expected=set(indices), mine=set() if pick else set(indices), pick=pick, picks_left=pick
         )
         stream = None
@@ -423,7 +356,7 @@ class _FetchSession:
                 s.busy_until = time.monotonic() + 0.5
             else:
                 self._fail(s, "remote_error", exc)
-        except _Broken as exc:
+        except StreamBroken as exc:
             self.f.stats.rejected[exc.reason] += 1
             self._fail(s, exc.reason, exc)
         except asyncio.IncompleteReadError as exc:
@@ -444,7 +377,7 @@ class _FetchSession:
                 self._release(digest, i, s)
             self.wake.set()
 
-    async def _read(self, s: _Source, entry: ServedVersion, stream, state: _StreamState) -> None:
+    async def _read(self, s: Source, entry: ServedVersion, stream, state: StreamState) -> None:
         """Read parts until the stream ends, checking each against the request and the manifest.
 
         A completed chunk is verified in a worker thread while the stream goes on (``state.verifying``).
@@ -495,18 +428,18 @@ class _FetchSession:
                 current, pieces, got = None, [], 0
                 deadline = time.monotonic() + self.cfg.chunk_timeout  # for the next chunk's first part
         if current is not None:
-            raise _Broken("truncated", f"stream ended inside chunk {current}")
+            raise StreamBroken("truncated", f"stream ended inside chunk {current}")
         if not state.pick and state.expected - state.done:
-            raise _Broken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
+            raise StreamBroken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
 
-    def _release(self, digest: str, index: int, s: _Source) -> None:
+    def _release(self, digest: str, index: int, s: Source) -> None:
         if self.inflight[digest].get(index) is s:
             del self.inflight[digest][index]
             self.entries[digest].fetching.discard(index)
             if index in self.missing[digest]:
                 self.f.stats.retries += 1
 
-    def _fail(self, s: _Source, reason: str, exc: BaseException) -> None:
+    def _fail(self, s: Source, reason: str, exc: BaseException) -> None:
         self.f.stats.failures[reason] += 1
         s.failures += 1
         logger.info("provider %s: %s (%r)", s.peer_id[-8:], reason, exc)
@@ -525,7 +458,7 @@ class _FetchSession:
                 reason,
             )
 
-    async def _store(self, s: _Source, entry: ServedVersion, index: int, data: bytes) -> None:
+    async def _store(self, s: Source, entry: ServedVersion, index: int, data: bytes) -> None:
         loop = asyncio.get_running_loop()
         try:
             new = await loop.run_in_executor(self.f._verifier, entry.store.put, index, data)
@@ -562,23 +495,3 @@ class _FetchSession:
                 )
             except Exception:
                 logger.exception("progress callback failed")
-
-
-@dataclass
-class _StreamState:
-    """Bookkeeping of one chunk stream."""
-
-    expected: set[int]  # indices asked for (candidates, in pick mode)
-    mine: set[int]  # indices this stream marked in flight
-    pick: int  # 0: the provider sends every index asked; k: at most k of its choice
-    picks_left: int  # pick mode: chunks the provider may still start
-    done: set[int] = field(default_factory=set)  # indices fully received (or reported missing)
-    verifying: list[asyncio.Future] = field(default_factory=list)
-
-
-class _Broken(Exception):
-    """A stream that ended early (the provider died or cut it): counted, retried elsewhere, not banned."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason

@@ -1,6 +1,7 @@
-"""Settings and counters of a weight fetcher: ``FetcherConfig`` (validated with the peer's config, before
-anything starts) and ``FetchStats`` (what the metrics line reports). Pure data; the machinery is
-``weights_fetcher`` and ``weights_fetch_session``.
+"""Settings, counters and reports of a weight fetcher: ``FetcherConfig`` (validated with the peer's config,
+before anything starts), ``FetchStats`` (what the metrics line reports), ``FetchProgress`` (passed to the
+progress callback) and ``FetchError`` (a fetch that did not complete). Pure data; the machinery is
+``fetcher`` and ``session``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.net.records import MAX_RECORD_TTL
-from echo_p2p.transport.weights_service import ServiceLimits
+from echo_p2p.transport.weights.service import ServiceLimits
 
 
 class FetcherConfig(BaseModel):
@@ -135,3 +136,24 @@ class FetchStats:
             "fetch_bytes": self.last_fetch_bytes,
             "banned": dict(self.banned),
         }
+
+
+class FetchError(Exception):
+    """A fetch that did not complete; ``reason`` is the counter name."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class FetchProgress:
+    """Where a fetch stands (passed to the progress callback after each verified chunk)."""
+
+    version: int
+    chunks_done: int
+    chunks_total: int
+    bytes_done: int
+    bytes_total: int
+    providers: int
+    elapsed: float

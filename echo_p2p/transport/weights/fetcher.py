@@ -1,7 +1,6 @@
 """Receiver side of the weights transport: find, fetch, verify and atomically apply policy versions.
 
-Owned here: ``plan_chain`` (which manifests to fetch: the deltas from the exact version
-held, else the newest keyframe and the deltas after it); ``WeightFetcher``, which reads the trainers'
+Owned here: ``WeightFetcher``, which reads the trainers'
 ``PolicyRecord``s, accepts manifests only from trusted trainers (``trust.check_manifest``), pulls chunks in
 parallel from several providers (the publisher and peers that hold or are fetching the same manifest), checks
 every digest, retries a chunk elsewhere on timeout, error, bad digest or a broken stream, bans a provider that
@@ -9,8 +8,9 @@ served bad data, and swaps its ``PolicyWeights`` only once every chunk of the ch
 a peer never runs a mixed policy. With ``serve`` on it serves what it holds (chunks of a version being
 fetched included) and announces itself as a provider (peer-assisted distribution); the publisher is spared:
 it is asked only for chunks no other provider holds or is fetching, and hands different chunks to
-different receivers. The transfer itself (scheduling, streams, retries, bans) is ``weights_fetch_session``;
-the settings and counters (``FetcherConfig``, ``FetchStats``) are ``weights_fetch_config``.
+different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself (scheduling,
+streams, retries, bans) is ``session``; the settings, counters and reports (``FetcherConfig``,
+``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``.
 Callers: the inference peer (``update`` / ``ensure_version`` / ``follow``),
 benchmarks, tests. Bad input from peers is counted by reason in ``stats()``, never raised to the caller.
 """
@@ -32,17 +32,15 @@ from echo_p2p.net.node import visible_maddrs
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.trust import TrustedTrainers, check_manifest
-from echo_p2p.transport.weights_fetch_config import FetcherConfig, FetchStats  # part of this API
-from echo_p2p.transport.weights_fetch_session import (  # FetchError, FetchProgress: re-exported, part of this API
+from echo_p2p.transport.weights.chain import PlanError, plan_chain  # re-exported, part of this API
+from echo_p2p.transport.weights.config import (  # re-exported, part of this API
+    FetcherConfig,
     FetchError,
     FetchProgress,
-    _FetchSession,
+    FetchStats,
 )
-from echo_p2p.transport.weights_service import (
-    ServedVersion,
-    WeightsEndpoint,
-    manifest_digest,
-)
+from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint, manifest_digest
+from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights import (
     Manifest,
     PolicyWeights,
@@ -59,47 +57,6 @@ _STALE_REASONS = frozenset({"version_dropped", "manifest_unavailable"})
 
 #: Seconds the follower waits after a check before it heeds the next nudge (acks can nudge many times a second).
 NUDGE_GAP = 0.05
-
-
-class PlanError(Exception):
-    """No chain of manifests in the record leads to its newest version."""
-
-
-def plan_chain(record: PolicyRecord, held: tuple[str, int] | None) -> list[ManifestRef]:
-    """Manifests to fetch, in apply order, to go from ``held`` = (stream_id, version) to ``record.version``.
-
-    Deltas apply only on exactly (stream_id, base_version): from a held version of the same stream the chain
-    is its deltas; otherwise the newest keyframe at or below the target and the deltas after it. Empty when
-    ``held`` is already at or past the target on that stream. Raises ``PlanError`` when no chain exists.
-    """
-    target = record.version
-    if held is not None and held[0] == record.stream_id and held[1] >= target:
-        return []
-    deltas = {r.base_version: r for r in record.manifests if r.base_version is not None}
-
-    def follow(version: int) -> list[ManifestRef] | None:
-        chain: list[ManifestRef] = []
-        while version != target:
-            ref = deltas.get(version)
-            if ref is None or ref.version <= version or ref.version > target:
-                return None
-            chain.append(ref)
-            version = ref.version
-        return chain
-
-    if held is not None and held[0] == record.stream_id:
-        chain = follow(held[1])
-        if chain is not None:
-            return chain
-    keyframes = sorted(
-        (r for r in record.manifests if r.base_version is None and r.version <= target),
-        key=lambda r: -r.version,
-    )
-    for keyframe in keyframes:
-        chain = follow(keyframe.version)
-        if chain is not None:
-            return [keyframe, *chain]
-    raise PlanError(f"record of {record.peer_id[-8:]} lists no chain to version {target}")
 
 
 class WeightFetcher:
