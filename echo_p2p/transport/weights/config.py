@@ -87,7 +87,27 @@ class FetcherConfig(BaseModel):
         "is retried with a growing back-off instead)",
     )
     ban_seconds: float = Field(
-        default=600.0, ge=0, description="How long a provider that served bad data is avoided"
+        default=600.0,
+        ge=0,
+        description="How long a provider that served bad data, or claimed chunks it does not serve, is avoided",
+    )
+    max_missing_answers: int = Field(
+        default=8,
+        ge=1,
+        description="'missing' answers for chunks a provider advertised (its manifest listed complete, or the "
+        "chunk set in its chunk map) after which it is banned; an honest provider gives none",
+    )
+    missing_window: float = Field(
+        default=600.0, gt=0, description="Seconds over which a provider's 'missing' answers add up"
+    )
+    provider_request_rate: float = Field(
+        default=20.0,
+        gt=0,
+        description="Chunk streams opened per second to one provider at most (a bound on what any one "
+        "provider can cost, whatever it answers)",
+    )
+    provider_request_burst: int = Field(
+        default=4, ge=1, description="Chunk streams that may open to one provider at once within that rate"
     )
     record_ttl: float = Field(
         default=30.0, gt=0, le=MAX_RECORD_TTL, description="Lifetime (s) of this peer's ProviderRecord"

@@ -39,6 +39,7 @@ from echo_p2p.transport.weights.config import (  # re-exported, part of this API
     FetchProgress,
     FetchStats,
 )
+from echo_p2p.transport.weights.providers import MAX_TRACKED_PROVIDERS, ProviderBook
 from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint, manifest_digest
 from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights import (
@@ -92,7 +93,9 @@ class WeightFetcher:
         self._announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="provider-announce")
         # digests are checked in one thread: at most one core hashes, the streams and p2pd keep the others
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chunk-verifier")
-        self._banned_until: dict[str, float] = {}
+        self.book = ProviderBook(
+            self.config.ban_seconds, self.config.max_missing_answers, self.config.missing_window
+        )
         self._refused: dict[str, str] = {}  # manifest digest -> reason (never fetched again)
         self._seen_untrusted: set[tuple[str, int]] = set()
         self._resume: dict[str, VersionAssembler] = {}  # partial stores of the last failed fetch
@@ -234,7 +237,7 @@ class WeightFetcher:
                         "ignoring policy version %d of untrusted peer %s", record.version, record.peer_id
                     )
                 continue
-            if self._banned_until.get(record.peer_id, 0) > time.monotonic():
+            if self.book.banned(record.peer_id):
                 continue
             if any(r.digest in self._refused for r in record.manifests if r.version == record.version):
                 continue
@@ -394,7 +397,7 @@ class WeightFetcher:
                 continue
             peer_id, maddrs = candidates[position]
             position += 1
-            if self._banned_until.get(peer_id, 0) > time.monotonic():
+            if self.book.banned(peer_id):
                 continue
             try:
                 await self.endpoint.connect(peer_id, maddrs, self.config.request_timeout)
@@ -474,5 +477,7 @@ class WeightFetcher:
                 reason,
                 self.config.ban_seconds,
             )
+            if len(self.stats.banned) >= MAX_TRACKED_PROVIDERS:  # bounded: forget the oldest
+                del self.stats.banned[next(iter(self.stats.banned))]
         self.stats.banned[peer_id] = reason
-        self._banned_until[peer_id] = time.monotonic() + self.config.ban_seconds
+        self.book.ban(peer_id)

@@ -65,7 +65,7 @@ class _FetchSession:
         self.refresh_now = False
         publisher = Source(record.peer_id, record.maddrs, publisher=True)
         publisher.complete = set(self.order)
-        if fetcher._banned_until.get(record.peer_id, 0) <= time.monotonic():
+        if not fetcher.book.banned(record.peer_id):
             self.sources[record.peer_id] = publisher
 
     def _spawn(self, coro) -> None:
@@ -90,20 +90,7 @@ class _FetchSession:
             "unserved": sorted(d[:12] for d in self.unserved),  # dropped by the publisher
             "no_window": sorted(d[:12] for d in self.no_window),
             "since_progress": now - self.last_progress,
-            "providers": {
-                s.peer_id: {
-                    "publisher": s.publisher,
-                    "dropped": s.dropped,
-                    "in_flight": s.inflight,
-                    "failures": s.failures,
-                    "busy_for": max(0.0, s.busy_until - now),
-                    "complete": len(s.complete),
-                    "partial": len(s.partial),
-                    "have": {d[:12]: len(h) for d, h in s.have.items()},
-                    "rate": s.rate,
-                }
-                for s in list(self.sources.values())
-            },
+            "providers": {s.peer_id: s.state(now) for s in list(self.sources.values())},
             "tasks": len(self.tasks),
         }
 
@@ -196,7 +183,7 @@ class _FetchSession:
                 or p.stream_id != self.record.stream_id
             ):
                 continue
-            if self.f._banned_until.get(p.peer_id, 0) > now:
+            if self.f.book.banned(p.peer_id, now):
                 continue
             complete, partial = set(p.manifests) & wanted, set(p.partial) & wanted
             if not complete and not partial:
@@ -207,12 +194,16 @@ class _FetchSession:
             source.complete |= complete
             source.partial |= partial - source.complete
         # the publisher had nothing fresh for a digest before this read: if no other live provider is known
-        # to hold it, whoever got those chunks skipped the version or moved on; ask without the window
+        # to hold it, whoever got those chunks skipped the version, moved on or is banned; ask without the
+        # window, at once (the publisher waited only for this read, unless it failed meanwhile)
+        publisher = self.sources.get(self.record.peer_id)
         for digest, at in list(self.empty_picks.items()):
             if at <= started:
                 del self.empty_picks[digest]
                 if not any(s.lists(digest) for s in self._alive() if not s.publisher):
                     self.no_window.add(digest)
+                    if publisher is not None and not publisher.failures:
+                        publisher.busy_until = min(publisher.busy_until, now)
         self.wake.set()
 
     def _poll_haves(self, now: float) -> None:
@@ -253,10 +244,13 @@ class _FetchSession:
             while s.inflight < limit and s.busy_until <= now:
                 if s.publisher and s.inflight and sum(self.picks.values()) > 1:
                     break  # pipelining only: the open stream still has chunks to start
+                if not s.may_request(now, self.cfg.provider_request_rate, self.cfg.provider_request_burst):
+                    break  # its request budget is spent: whatever it answers, it costs at most that rate
                 work = self._pick_work(s, alive, stalled)
                 if work is None:
                     break
                 digest, indices, pick, fresh_for = work
+                s.spend_request()
                 s.inflight += 1
                 self.picks[digest] += pick
                 if not pick:
@@ -338,7 +332,9 @@ class _FetchSession:
                 if fresh_for and digest not in self.empty_picks:
                     self.empty_picks[digest] = time.monotonic()
                     self.refresh_now = True  # learn now who else holds them (else: no window for it)
-            received = sum(manifest.chunks[i].size for i in state.done if i in state.mine or pick)
+            received = sum(
+                manifest.chunks[i].size for i in state.done - state.missing if i in state.mine or pick
+            )
             if received:  # bytes/s of this stream, smoothed
                 rate = received / max(time.monotonic() - started, 1e-3)
                 s.rate = rate if s.rate is None else 0.5 * s.rate + 0.5 * rate
@@ -369,6 +365,7 @@ class _FetchSession:
         except Exception as exc:
             self._fail(s, "error", exc)
         finally:
+            self._settle_missing(s, state)
             self.picks[digest] -= state.picks_left
             s.inflight -= 1
             for (
@@ -397,8 +394,13 @@ class _FetchSession:
             if i not in state.expected or i in state.done:
                 raise StreamViolation("unexpected_chunk", f"chunk {i} was not asked for")
             if part.missing:
-                s.have.get(digest, set()).discard(i)
+                if s.advertised(digest, i):  # a promise broken: counted, and not asked of it again
+                    state.broken += 1
+                    s.deny(digest, i)
+                else:
+                    s.have.get(digest, set()).discard(i)
                 state.done.add(i)
+                state.missing.add(i)
                 self._release(digest, i, s)
                 continue
             size = manifest.chunks[i].size
@@ -431,6 +433,19 @@ class _FetchSession:
             raise StreamBroken("truncated", f"stream ended inside chunk {current}")
         if not state.pick and state.expected - state.done:
             raise StreamBroken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
+
+    def _settle_missing(self, s: Source, state: StreamState) -> None:
+        """Count the "missing" answers of one stream: a provider that gave ``max_missing_answers`` for
+        chunks it advertised is banned; one whose stream brought nothing else backs off."""
+        if not state.missing:
+            return
+        if state.broken:
+            self.f.stats.rejected["claimed_missing"] += state.broken
+            if self.f.book.missing(s.peer_id, state.broken) and not s.dropped:
+                self.f._ban(s.peer_id, "claimed_missing")
+                s.dropped = True
+        if state.done <= state.missing:
+            s.back_off(time.monotonic())
 
     def _release(self, digest: str, index: int, s: Source) -> None:
         if self.inflight[digest].get(index) is s:
@@ -473,7 +488,7 @@ class _FetchSession:
         if not new:
             self.duplicate_bytes += len(data)
             return
-        s.failures = 0
+        s.failures = s.wasted = 0
         self.missing[entry.digest].discard(index)
         self.inflight[entry.digest].pop(index, None)
         entry.fetching.discard(index)

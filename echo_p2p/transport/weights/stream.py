@@ -89,6 +89,8 @@ class StreamState:
     pick: int  # 0: the provider sends every index asked; k: at most k of its choice
     picks_left: int  # pick mode: chunks the provider may still start
     done: set[int] = field(default_factory=set)  # indices fully received (or reported missing)
+    missing: set[int] = field(default_factory=set)  # indices the provider answered "missing" for
+    broken: int = 0  # of those, chunks it had advertised (a broken promise)
     verifying: list[asyncio.Future] = field(default_factory=list)
 
 

@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import torch
-
-from echo_p2p.net.records import PolicyRecord
-from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
 from echo_p2p.transport.weights.providers import Source
-from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits
 from echo_p2p.transport.weights.session import _FetchSession
-from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
+from tests.unit.transport.local_weights import publish, session_for
 
 
 def session(**config) -> tuple[_FetchSession, str]:
-    encoder = WeightEncoder(EncodingConfig(encoding="fp32", chunk_size=400), run_id="r", publisher="QmPub")
-    (version,) = encoder.encode([("w", torch.zeros(1000))], 0)  # 10 chunks
-    entry = ServedVersion.of(version.manifest, ChunkStore(version.manifest))
-    fetcher = SimpleNamespace(
-        config=FetcherConfig(**config),
-        endpoint=SimpleNamespace(peer_id="QmMe", limits=ServiceLimits()),
-        _banned_until={},
-        stats=FetchStats(),
-        on_progress=None,
-        _verifier=None,
-    )
-    record = PolicyRecord(peer_id="QmPub", stream_id=encoder.stream_id, version=0)
-    return _FetchSession(fetcher, record, [entry]), entry.digest
+    s = session_for(publish(), {}, None, **config)  # 10 chunks; no provider is ever called here
+    return s, s.order[0]
 
 
 def test_the_publisher_is_spared_the_chunks_a_peer_holds():
