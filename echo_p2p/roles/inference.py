@@ -99,6 +99,7 @@ class InferencePeer(BasePeer):
                 self._ensure_version,
                 self._sample_for_request,
                 section.sample_server,
+                published_version=self.fetcher.published_version,
             )
             self.loop.add_servicer(self.sample_server, namespace)
 

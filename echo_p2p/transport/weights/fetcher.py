@@ -174,6 +174,17 @@ class WeightFetcher:
             if self.version is None or self.version < min_version:
                 self._stop.wait(min(0.2, max(0.0, deadline - time.monotonic())))
 
+    def published_version(self) -> int | None:
+        """The newest version this peer holds or a trusted, not banned trainer announces (one DHT read,
+        bounded by ``request_timeout``); None when there is none. Cheap: nothing is fetched."""
+        versions = [
+            e.record.version
+            for e in self.directory.policies()
+            if self.trusted.is_trusted(e.record.peer_id) and not self.book.banned(e.record.peer_id)
+        ]
+        held = self.version
+        return max([*versions, *([] if held is None else [held])], default=None)
+
     def follow(self, on_update: Callable[[PolicyWeights], None] | None = None) -> None:
         """Poll for new versions in a background thread (async mode); ``on_update`` after each swap."""
 
