@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +37,9 @@ from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublishe
 from echo_p2p.weights import EncodingConfig
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from dht import stop  # noqa: E402 (a sibling script: stops a process group by its id)
+
 LIAR = HERE.parent / "tests" / "integration" / "weights_provider_proc.py"
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -109,15 +110,7 @@ def run(versions: int, with_liar: bool, workdir: Path) -> dict:
         stats = receiver.stats_dict()
     finally:
         if liar is not None:
-            liar.send_signal(signal.SIGTERM)
-            try:
-                liar.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(liar.pid, signal.SIGKILL)  # whatever is left of its group (p2pd, DHT child)
-            except ProcessLookupError:
-                pass
+            stop(liar)  # SIGTERM, then SIGKILL to whatever is left of its group (p2pd, DHT child)
         for close in reversed(closers):
             close()
         for dht in dhts:

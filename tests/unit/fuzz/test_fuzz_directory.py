@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from echo_p2p.net.directory import SwarmDirectory
-from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PeerRecord, PolicyRecord, ProviderRecord, RecordError
 from tests.unit.fuzz.fuzzing import FUZZ, broken, values
@@ -18,13 +17,6 @@ from tests.unit.fuzz.fuzzing import FUZZ, broken, values
 pytestmark = pytest.mark.timeout(120)
 KINDS = (PeerRecord, ProviderRecord, PolicyRecord)
 REASONS = {"other_protocol", "malformed", "peer_id_mismatch"}
-
-
-@pytest.fixture(scope="module")
-def identity():
-    identity = load_or_create_identity(None)
-    yield identity
-    identity.cleanup()
 
 
 @pytest.fixture(scope="module")

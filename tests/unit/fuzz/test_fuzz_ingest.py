@@ -26,13 +26,6 @@ REASONS = {r.value for r in Reason} - {Reason.INTERNAL_ERROR.value}
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def ingest():
     buffer = ReplayBuffer(capacity=8, max_staleness=2)
     servicer = RolloutIngestServicer(

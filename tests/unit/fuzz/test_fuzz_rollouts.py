@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from echo_p2p.ml.tokenizer import build_char_tokenizer, decode_completion, encode_prompts
+from echo_p2p.ml.tokenizer import build_char_tokenizer
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.tasks import build_task
 from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.ingest import IngestConfig, IngestValidator, Reason, Rejection
 from tests.unit.fuzz.fuzzing import FUZZ, HUGE_HEADERS, broken, hostile_bytes, packed, peak_allocated, values
+from tests.unit.train.test_ingest import make_group
 
 pytestmark = pytest.mark.timeout(120)
 TOK = build_char_tokenizer()
@@ -27,23 +28,7 @@ VALIDATOR = IngestValidator(
 )
 
 
-def honest_group(prompt_id: int = 7) -> RolloutGroup:
-    prompt = encode_prompts(TOK, [TASK.prompt(prompt_id)], use_chat_template=False)[0]
-    completions = []
-    for text in ("cc", "c"):
-        ids = encode_prompts(TOK, [text], use_chat_template=False)[0] + [TOK.eos_token_id]
-        reward = TASK.score(prompt_id, decode_completion(TOK, ids))
-        completions.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), claimed_reward=reward))
-    return RolloutGroup(
-        task="count",
-        prompt_id=prompt_id,
-        prompt_token_ids=prompt,
-        completions=completions,
-        policy_version=VERSION,
-    )
-
-
-HONEST = honest_group()
+HONEST = make_group(TOK, TASK, 7, texts=("cc", "c"), version=VERSION)
 HONEST_BYTES = HONEST.to_bytes()
 HONEST_DICT = HONEST.model_dump(mode="python")
 

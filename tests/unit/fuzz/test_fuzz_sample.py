@@ -4,8 +4,6 @@ prompt id of the version asked; no ``sample_failed`` (a bug), no hang, and the p
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -24,13 +22,6 @@ LIMITS = SampleServerConfig(
 REASONS = {e.value for e in SampleError} - {SampleError.SAMPLE_FAILED.value}
 INT64 = st.integers(-(2**63), 2**63 - 1)
 UINT32 = st.integers(0, 2**32 - 1)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")

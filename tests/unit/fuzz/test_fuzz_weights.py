@@ -13,7 +13,6 @@ from hivemind.p2p import P2P
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PolicyRecord
 from echo_p2p.proto import weights_pb2
@@ -29,13 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 LIMITS = ServiceLimits(part_size=256, max_chunks_per_request=8, max_digests_per_request=4)
 CHUNK_ERRORS = {"bad_request", "not_held", "too_many_chunks", "too_many_bytes", "busy"}
 UINT32 = st.integers(0, 2**32 - 1)
-
-
-@pytest.fixture(scope="module")
-def identity():
-    identity = load_or_create_identity(None)
-    yield identity
-    identity.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +51,6 @@ def library(identity):
         partial.store.put(i, other.store.get(i))
     library.add(partial)
     return library
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def digests(library: WeightLibrary):
