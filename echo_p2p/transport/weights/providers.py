@@ -16,6 +16,7 @@ served bad data.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ class Source:
         self.partial: set[str] = set()
         self.have: dict[str, set[int]] = {}
         self.fetching: dict[str, set[int]] = {}
+        self.fetching_since: dict[str, dict[int, float]] = {}  # when each "fetching" claim was first seen
         self.inflight = 0
         self.failures = 0
         self.dropped = False
@@ -100,11 +102,21 @@ class Source:
     def spend_request(self) -> None:
         self.tokens = (self.tokens if self.tokens is not None else 0.0) - 1.0
 
-    def will_hold(self, digest: str, index: int) -> bool:
-        """Holds chunk ``index`` of ``digest`` or is fetching it (so it will serve it soon)."""
-        return self.holds(digest, index) or (
-            digest in self.partial and index in self.fetching.get(digest, ())
-        )
+    def will_hold(self, digest: str, index: int, claimed_after: float = -math.inf) -> bool:
+        """Holds chunk ``index`` of ``digest`` or is fetching it (so it will serve it soon). A "fetching"
+        claim first made before ``claimed_after`` no longer counts: a chunk fetched that long ago would be
+        held by now (a provider that says it fetches everything forever must not stall the publisher)."""
+        if self.holds(digest, index):
+            return True
+        if digest not in self.partial or index not in self.fetching.get(digest, ()):
+            return False
+        return self.fetching_since.get(digest, {}).get(index, math.inf) >= claimed_after
+
+    def note_fetching(self, digest: str, indices: set[int], now: float) -> None:
+        """Its chunk map says it is fetching ``indices`` now (each claim dated from when it was first seen)."""
+        since = self.fetching_since.get(digest, {})
+        self.fetching[digest] = indices
+        self.fetching_since[digest] = {i: since.get(i, now) for i in indices}
 
     def forget(self, digest: str) -> None:
         """It no longer holds ``digest`` (``not_held``, or ``have`` said so): ask it nothing of it again."""
@@ -112,6 +124,7 @@ class Source:
         self.partial.discard(digest)
         self.have.pop(digest, None)
         self.fetching.pop(digest, None)
+        self.fetching_since.pop(digest, None)
 
 
 class ProviderBook:

@@ -228,7 +228,7 @@ class _FetchSession:
                     s.complete.add(digest)
                 else:
                     s.have[digest] = bitmap_indices(response.bitmap, n)
-                    s.fetching[digest] = bitmap_indices(response.fetching, n)
+                    s.note_fetching(digest, bitmap_indices(response.fetching, n), time.monotonic())
         except Exception as exc:
             self._fail(s, "have_error", exc)
         finally:
@@ -271,7 +271,8 @@ class _FetchSession:
                 avail &= s.have.get(digest, set())
             if s.publisher and self.cfg.spare_publisher and not stalled:
                 others = [o for o in alive if o is not s]
-                avail = {i for i in avail if not any(o.will_hold(digest, i) for o in others)}
+                recent = time.monotonic() - self.cfg.stall_timeout  # older "fetching" claims are not spared
+                avail = {i for i in avail if not any(o.will_hold(digest, i, recent) for o in others)}
             if not avail:
                 continue
             if s.publisher and self.cfg.publisher_pick:

@@ -164,3 +164,21 @@ def test_the_request_budget_bounds_streams_per_second_to_one_provider():
             opened += 1
     assert opened <= 4 + 20 * 10
     assert opened >= 20 * 10  # and an honest provider gets the whole rate
+
+
+def test_a_fetching_claim_older_than_stall_timeout_no_longer_spares_the_publisher():
+    """A partial provider that says it is fetching every chunk and never holds one would make every
+    receiver spare the publisher until the whole fetch stalls, again after each publisher stream."""
+    s = session_for(publish(), {}, None)
+    digest, publisher = s.order[0], s.sources[PUB]
+    peer = s.sources[PARTIAL] = Source(PARTIAL, [])
+    peer.partial.add(digest)
+    now = time.monotonic()
+    peer.note_fetching(digest, set(range(10)), now)
+    assert s._pick_work(publisher, s._alive(), stalled=False) is None  # fresh claims: the publisher is spared
+    peer.note_fetching(digest, set(range(10)), now + 1)  # read again later: each claim keeps its first date
+    assert peer.fetching_since[digest][0] == now
+    old = now - 2 * s.cfg.stall_timeout
+    peer.fetching_since[digest] = {i: old if i < 5 else now for i in range(10)}
+    _, candidates, _, _ = s._pick_work(publisher, s._alive(), stalled=False)
+    assert candidates == [0, 1, 2, 3, 4]  # claimed too long ago: the publisher is asked for them
