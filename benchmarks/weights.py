@@ -120,7 +120,7 @@ def worker_main(role: str, host: str, initial: list[str], args: argparse.Namespa
 def _trainer_loop(dht, identity, keys, args, maddrs) -> None:
     import torch
 
-    from echo_p2p.transport.weights_publisher import PublisherConfig, WeightPublisher
+    from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
     from echo_p2p.weights import EncodingConfig
 
     sys.path.insert(0, str(HERE))
@@ -190,7 +190,7 @@ def _peer_loop(dht, identity, keys, args) -> None:
     from hivemind.p2p import PeerID
 
     from echo_p2p.transport.trust import TrustedTrainers
-    from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+    from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 
     _warm_up_decoder()
     _reply(dict(ready=True, peer_id=identity.peer_id))

@@ -36,6 +36,8 @@ from echo_p2p.net.records import (
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=WireRecord)
+#: (peer, protocol) pairs logged once each; a reader remembers at most this many (unchecked, attacker-chosen).
+MAX_WARNED = 4096
 
 
 @dataclass(frozen=True)
@@ -148,9 +150,11 @@ class SwarmDirectory:
         try:
             record = cls.from_wire(value)
         except OtherProtocolError as exc:
-            who = value.get("peer_id", "?") if isinstance(value, dict) else "?"
-            if (str(who), exc.protocol) not in self._warned_protocols:
-                self._warned_protocols.add((str(who), exc.protocol))
+            who = str(value.get("peer_id", "?") if isinstance(value, dict) else "?")[:128]
+            if (who, exc.protocol) not in self._warned_protocols:
+                if len(self._warned_protocols) >= MAX_WARNED:  # bounded: a flood of them is logged again
+                    self._warned_protocols.clear()
+                self._warned_protocols.add((who, exc.protocol))
                 logger.info("ignoring peer %s: %s", who, exc)
             self.rejected["other_protocol"] += 1
             return None

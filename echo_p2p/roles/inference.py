@@ -53,7 +53,7 @@ class InferencePeer(BasePeer):
         from echo_p2p.tasks import build_task
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollout_config import rollout_namespace
-        from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+        from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 
         run, section = self.config.run, self.section
         if section.threads:
@@ -100,6 +100,7 @@ class InferencePeer(BasePeer):
                 self._sample_for_request,
                 section.sample_server,
                 is_allowed=self.trust.is_trusted,  # only the run's trainers may ask for samples
+                published_version=self.fetcher.published_version,
             )
             self.loop.add_servicer(self.sample_server, namespace)
 

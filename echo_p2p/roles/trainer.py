@@ -78,7 +78,7 @@ class TrainerPeer(BasePeer):
         from echo_p2p.transport.collab_optimizer import CollabTrainerStep, make_collab_optimizer
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollout_config import rollout_namespace
-        from echo_p2p.transport.weights_publisher import PublisherConfig, WeightPublisher
+        from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 
         run, section = self.config.run, self.section
         if section.threads:

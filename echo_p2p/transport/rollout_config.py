@@ -1,7 +1,7 @@
 """Configs and the RPC namespace of the rollout transport (push ingest and sync pull), free of torch and hivemind.
 
 The CLIs validate every config before anything heavy starts, so these classes live apart from the
-servicers that use them (``rollout_ingest.py``, ``rollout_push.py``, ``rollout_pull.py``).
+servicers that use them (``rollout_ingest.py``, ``rollout_push.py``, ``rollout_pull.py``, ``rollout_sample.py``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,18 @@ class SampleServerConfig(BaseModel):
         default=8, ge=0, description="Requests queued behind those; more are refused (busy)"
     )
     version_timeout: float = Field(
-        default=120.0, gt=0, description="Deadline (s) to get the requested version"
+        default=120.0, gt=0, description="Deadline (s) to fetch a requested version once it is announced"
+    )
+    version_grace: float = Field(
+        default=10.0,
+        gt=0,
+        description="Deadline (s) for a requested version to appear among the trusted trainers' policy "
+        "records; then it is refused (unknown_version). No sampling slot is held while waiting",
+    )
+    version_poll: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds between two reads of the policy records while requests wait (shared by all)",
     )
     sample_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of the sampling itself")
     max_group_bytes: int = Field(

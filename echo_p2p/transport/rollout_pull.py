@@ -1,17 +1,13 @@
 """Sequential pull of rollouts (``--mode sync``): a trainer asks inference peers for rollouts of given prompts.
 
-Owned here:
-- ``SampleServicer`` (inference peer): ``rpc_sample(SampleRequest)`` checks the request against the peer's
-  tasks and limits, makes sure the peer holds the requested policy version (injected ``ensure_version``,
-  which fetches it and answers False when no trusted trainer published it), samples (injected ``sample``)
-  and streams one ``SampleResponse`` per group. A bad request gets one response with a reason
-  (``SampleError``), is counted, and the peer keeps serving. Never raises.
-- ``SampleClient`` (trainer): ``collect`` spreads a batch of prompts over the inference peers found on the
-  DHT, in proportion to their announced ``tokens_per_second``, waits for each request with a deadline, and
-  re-asks other peers for the prompts that did not come back. It checks that what came back is what was
-  asked (task, prompt, version, group size); the trainer then validates it like any rollout (``ingest``).
-Callers: the inference and trainer peers in sync mode. Must not import torch; blocking calls (sampling,
-weight updates) run in worker threads, never in the event loop.
+Owned here: ``SampleClient`` (trainer): ``collect`` spreads a batch of prompts over the inference peers found
+on the DHT, in proportion to their announced ``tokens_per_second`` (``spread_by_weight``), sends each peer
+its share as requests of at most ``max_prompts_per_request`` prompts, one at a time (an inference peer
+serves one request per requester at a time), within a deadline, and re-asks other peers for the prompts
+that did not come back. It checks that what came back is what was asked (task, prompt, version, group
+size); the trainer then validates it like any rollout (``ingest``). The inference side, ``SampleServicer``
+and ``SampleError``, is ``rollout_sample`` (re-exported here). Callers: the trainer and inference peers in
+sync mode. Must not import torch.
 """
 
 from __future__ import annotations
@@ -20,205 +16,30 @@ import asyncio
 import contextlib
 import logging
 import math
-import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
-
-from hivemind.p2p import P2PContext, ServicerBase
+from typing import Any
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
-from echo_p2p.tasks.base import Task, TaskError
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollout_config import SampleClientConfig, SampleServerConfig
+from echo_p2p.transport.rollout_config import SampleClientConfig, SampleServerConfig  # re-exported
+from echo_p2p.transport.rollout_sample import SampleError, SampleFn, SampleServicer  # re-exported
+
+__all__ = [
+    "SampleClient",
+    "SampleClientConfig",
+    "SampleError",
+    "SampleFn",
+    "SampleServerConfig",
+    "SampleServicer",
+    "spread_by_weight",
+]
 
 logger = logging.getLogger(__name__)
-
-#: ``sample(task, prompt_ids, n, version, max_new_tokens) -> list[RolloutGroup]`` (one group per prompt id).
-SampleFn = Callable[[str, list[int], int, int, int], list[RolloutGroup]]
-
-
-class SampleError(str, Enum):
-    """Why an inference peer refused a sample request (sent back as ``SampleResponse.error``, counted)."""
-
-    MALFORMED = "malformed"  # no prompts, negative version
-    UNKNOWN_TASK = "unknown_task"
-    BAD_PROMPT_ID = "bad_prompt_id"
-    TOO_MANY_PROMPTS = "too_many_prompts"
-    TOO_MANY_COMPLETIONS = "too_many_completions"
-    TOO_MANY_TOKENS = "too_many_tokens"
-    UNKNOWN_VERSION = (
-        "unknown_version"  # no trusted trainer published it (or it could not be fetched in time)
-    )
-    NOT_ALLOWED = "not_allowed"  # the requester is not a peer this one samples for
-    BUSY = "busy"  # too many requests waiting
-    SAMPLE_FAILED = "sample_failed"  # sampling raised or timed out (logged)
-
-
-class SampleServicer(ServicerBase):
-    """Inference side of the sync pull (see the module doc).
-
-    :param tasks: the tasks this peer samples, by name
-    :param ensure_version: ``version -> bool``: hold ``version`` (fetching it if needed, blocking);
-        False when no trusted trainer published it
-    :param sample: ``SampleFn``; called only after ``ensure_version`` returned True
-    :param is_allowed: ``peer_id -> bool``: whom to sample for (default: anyone)
-    """
-
-    def __init__(
-        self,
-        tasks: Mapping[str, Task],
-        ensure_version: Callable[[int], bool],
-        sample: SampleFn,
-        config: SampleServerConfig | None = None,
-        is_allowed: Callable[[str], bool] | None = None,
-    ) -> None:
-        self.tasks = dict(tasks)
-        self.ensure_version = ensure_version
-        self.sample = sample
-        self.config = config or SampleServerConfig()
-        self.is_allowed = is_allowed
-        self.rejected: Counter[str] = Counter()
-        self.served = 0
-        self.groups_sent = 0
-        self._active = 0
-        self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="echo-sample")
-        self._semaphore: asyncio.Semaphore | None = None
-
-    async def rpc_sample(
-        self, request: rollouts_pb2.SampleRequest, context: P2PContext
-    ) -> AsyncIterator[rollouts_pb2.SampleResponse]:
-        try:
-            requester = context.remote_id.to_base58()
-        except Exception:
-            requester = "?"
-        try:
-            groups, error = await self._handle(request, requester)
-        except Exception as exc:  # a bug: refuse this request, keep serving
-            logger.exception("sample request from %s failed", requester)
-            groups, error = [], (SampleError.SAMPLE_FAILED, type(exc).__name__)
-        if error is not None:
-            reason, detail = error
-            with self._lock:
-                self.rejected[reason.value] += 1
-            logger.info("refused sample request from %s: %s (%s)", requester, reason.value, detail)
-            yield rollouts_pb2.SampleResponse(error=reason.value, detail=detail[:256])
-            return
-        with self._lock:
-            self.served += 1
-        for payload in groups:
-            with self._lock:
-                self.groups_sent += 1
-            yield rollouts_pb2.SampleResponse(group=payload)
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"served": self.served, "groups_sent": self.groups_sent, "rejected": dict(self.rejected)}
-
-    def shutdown(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
-
-    # ---- internals ----------------------------------------------------------------------------------------
-    def _check(self, request: rollouts_pb2.SampleRequest, requester: str) -> tuple[SampleError, str] | None:
-        config = self.config
-        if self.is_allowed is not None and not self.is_allowed(requester):
-            return SampleError.NOT_ALLOWED, "requester is not trusted"
-        task = self.tasks.get(request.task)
-        if task is None:
-            return SampleError.UNKNOWN_TASK, f"task {request.task[:64]!r} is not served here"
-        if not request.prompt_ids or request.policy_version < 0:
-            return SampleError.MALFORMED, "no prompt ids or a negative version"
-        if len(request.prompt_ids) > config.max_prompts_per_request:
-            return (
-                SampleError.TOO_MANY_PROMPTS,
-                f"{len(request.prompt_ids)} > {config.max_prompts_per_request}",
-            )
-        if not 1 <= request.num_completions <= config.max_completions:
-            return (
-                SampleError.TOO_MANY_COMPLETIONS,
-                f"{request.num_completions} not in [1, {config.max_completions}]",
-            )
-        if request.max_new_tokens > config.max_new_tokens:
-            return SampleError.TOO_MANY_TOKENS, f"{request.max_new_tokens} > {config.max_new_tokens}"
-        for prompt_id in request.prompt_ids:
-            try:
-                task.check_prompt_id(int(prompt_id))
-            except TaskError as exc:
-                return SampleError.BAD_PROMPT_ID, str(exc)
-        return None
-
-    async def _handle(
-        self, request: rollouts_pb2.SampleRequest, requester: str
-    ) -> tuple[list[bytes], tuple[SampleError, str] | None]:
-        error = self._check(request, requester)
-        if error is not None:
-            return [], error
-        with self._lock:
-            if self._active >= self.config.max_concurrent + self.config.max_waiting:
-                return [], (SampleError.BUSY, f"{self._active} requests in progress")
-            self._active += 1
-        try:
-            if self._semaphore is None:
-                self._semaphore = asyncio.Semaphore(self.config.max_concurrent)
-            async with self._semaphore:
-                return await self._sample(request)
-        finally:
-            with self._lock:
-                self._active -= 1
-
-    async def _sample(
-        self, request: rollouts_pb2.SampleRequest
-    ) -> tuple[list[bytes], tuple[SampleError, str] | None]:
-        loop = asyncio.get_running_loop()
-        version = int(request.policy_version)
-        try:
-            held = await asyncio.wait_for(
-                loop.run_in_executor(self._worker, self.ensure_version, version), self.config.version_timeout
-            )
-        except TimeoutError:
-            return [], (SampleError.UNKNOWN_VERSION, f"version {version} not obtained in time")
-        except Exception as exc:
-            logger.warning("getting version %d failed: %s", version, exc)
-            return [], (SampleError.UNKNOWN_VERSION, f"version {version} could not be obtained")
-        if not held:
-            return [], (SampleError.UNKNOWN_VERSION, f"no trusted trainer published version {version}")
-        task = self.tasks[request.task]
-        prompt_ids = [int(p) for p in request.prompt_ids]
-        max_new_tokens = int(request.max_new_tokens) or task.max_new_tokens
-        try:
-            groups = await asyncio.wait_for(
-                loop.run_in_executor(
-                    self._worker,
-                    self.sample,
-                    request.task,
-                    prompt_ids,
-                    int(request.num_completions),
-                    version,
-                    max_new_tokens,
-                ),
-                self.config.sample_timeout,
-            )
-        except Exception as exc:
-            logger.exception("sampling for a request failed")
-            return [], (SampleError.SAMPLE_FAILED, type(exc).__name__)
-        payloads = []
-        for group in groups:
-            if group.policy_version != version or group.task != request.task:
-                logger.error("sample() returned a group of another version or task; not sent")
-                continue
-            payload = group.to_bytes()
-            if len(payload) > self.config.max_group_bytes:
-                logger.warning("group %s is %d bytes, too large to send", group.rollout_id, len(payload))
-                continue
-            payloads.append(payload)
-        return payloads, None
 
 
 # ---- trainer side -----------------------------------------------------------------------------------------
@@ -402,15 +223,23 @@ class SampleClient:
         max_new_tokens: int,
         timeout: float,
     ) -> dict[str, tuple[list[RolloutGroup], str]]:
+        deadline = time.monotonic() + timeout
+
         async def ask_peer(peer: _Peer, prompt_ids: list[int]) -> tuple[list[RolloutGroup], str]:
+            """The peer's share, one request at a time (it serves one per requester at once)."""
             step = self.config.max_prompts_per_request
-            chunks = [prompt_ids[i : i + step] for i in range(0, len(prompt_ids), step)]
-            results = await asyncio.gather(
-                *(self._ask(peer, task, chunk, n, version, max_new_tokens, timeout) for chunk in chunks)
-            )
-            groups = [g for gs, _ in results for g in gs]
-            errors = [e for _, e in results if e]
-            return groups, "; ".join(errors)
+            groups: list[RolloutGroup] = []
+            for i in range(0, len(prompt_ids), step):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return groups, f"no complete answer within {timeout:.1f} s"
+                got, error = await self._ask(
+                    peer, task, prompt_ids[i : i + step], n, version, max_new_tokens, left
+                )
+                groups += got
+                if error:
+                    return groups, error
+            return groups, ""
 
         pairs = list(shares.items())
         results = await asyncio.gather(*(ask_peer(peers[pid], ids) for pid, ids in pairs))

@@ -457,6 +457,42 @@ def test_sample_client_reasks_another_peer_when_one_does_not_answer_in_time(node
     assert elapsed < 10
 
 
+def test_a_slot_hog_asking_for_an_unpublished_version_does_not_stall_a_trainer(nodes, run):
+    """Sync mode over real P2P: a stranger asks for a version nobody published (it would have held the only
+    sampling slot for version_timeout); the trainer's requests, one at a time per peer, are all served."""
+    keys, serve = run
+    t1, t2, i1, _ = nodes
+    sampler = FakeSampler(i1.peer_id, published={VERSION})
+    announced = {VERSION}  # what the trusted trainers' policy records say
+    limits = SampleServerConfig(version_grace=20.0, version_poll=0.1)
+    servicer = SampleServicer(
+        {"count": TASK},
+        sampler.ensure_version,
+        sampler.sample,
+        limits,
+        published_version=lambda: max(announced),
+    )
+    serve(i1, servicer)
+    i1.announce(keys, "inference", mode="sync")
+    hog = t2.loop.submit(ask(t2, i1, keys, prompt_ids=[1], policy_version=10**9))  # waits for the grace
+    client = SampleClient(
+        t1.loop,
+        t1.directory(keys),
+        SampleClientConfig(max_prompts_per_request=2),
+        namespace=rollout_namespace(keys),
+    )
+    wait_until(lambda: t1.directory(keys).peers(), 15, what="the inference peer's record")
+    groups = client.collect("count", [0, 1, 2, 3, 4, 5], G, VERSION, timeout=15)
+    assert sorted(g.prompt_id for g in groups) == [0, 1, 2, 3, 4, 5]
+    assert client.stats()["requests"] == 3 and client.stats()["refused"] == {}  # one at a time: none busy
+    assert not hog.done()
+    announced.add(10**9)  # a record says so now, but no trusted manifest exists: refused, never sampled
+    (answer,) = hog.result(timeout=15)
+    assert answer.error == "unknown_version"
+    assert ("sample", (1,), G, 10**9, TASK.max_new_tokens) not in sampler.calls
+    assert servicer.stats()["rejected"] == {"unknown_version": 1}
+
+
 def test_spread_by_weight_is_proportional_and_unknown_throughput_counts_as_average():
     assert spread_by_weight(list(range(8)), {"a": 300.0, "b": 100.0}) == {
         "a": [0, 1, 2, 3, 4, 5],

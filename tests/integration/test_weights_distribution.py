@@ -21,8 +21,8 @@ from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
 from echo_p2p.transport.trust import TrustedTrainers
-from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
-from echo_p2p.transport.weights_publisher import PublisherConfig, WeightPublisher
+from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
+from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 from echo_p2p.weights import EncodingConfig
 from tests.conftest import read_log, wait_until
 
@@ -252,25 +252,31 @@ def test_forged_manifests_are_refused_counted_and_never_applied():
         assert receiver.stats.bytes_by_provider == {}  # not one chunk of a refused version was fetched
 
 
+def start_provider(procs, s: Swarm, tmp_path: Path, *extra: str):
+    """A provider process (``weights_provider_proc.py``) holding version 0; returns it and its peer id."""
+    ready = tmp_path / "provider.ready"
+    helper = procs.start(
+        str(Path(__file__).with_name("weights_provider_proc.py")),
+        "--run-id", s.keys.run_id,
+        "--initial-peer", s.maddrs[0],
+        "--trusted-key", s.trainer_id.public_key_bytes().decode(),
+        "--version", "0",
+        "--ready-file", str(ready),
+        *extra,
+        name="provider",
+    )  # fmt: skip
+    wait_until(lambda: ready.exists() or helper.poll() is not None, 60, what="provider ready")
+    assert helper.poll() is None, read_log(helper)
+    return helper, ready.read_text()
+
+
 def test_provider_killed_with_sigkill_mid_transfer_does_not_stop_the_fetch(procs, tmp_path: Path):
     with swarm("nw-sigkill") as s:
         tensors = make_tensors()
         (manifest,) = s.publisher.publish(tensors.items(), 0)
         digest = s.publisher.record.manifests[0].digest
-        ready = tmp_path / "provider.ready"
-        helper = procs.start(
-            str(Path(__file__).with_name("weights_provider_proc.py")),
-            "--run-id", s.keys.run_id,
-            "--initial-peer", s.maddrs[0],
-            "--trusted-key", s.trainer_id.public_key_bytes().decode(),
-            "--version", "0",
-            "--upload-rate", str(128 * 1024),  # 8 s for the whole version: killed long before the end
-            "--ready-file", str(ready),
-            name="provider",
-        )  # fmt: skip
-        wait_until(lambda: ready.exists() or helper.poll() is not None, 60, what="provider ready")
-        assert helper.poll() is None, read_log(helper)
-        helper_id = ready.read_text()
+        # 128 KiB/s: 8 s for the whole version, killed long before the end
+        helper, helper_id = start_provider(procs, s, tmp_path, "--upload-rate", str(128 * 1024))
         receiver = s.receiver()
         wait_until(lambda: provider_sees(receiver, helper_id, digest), 15, what="provider record")
         result: dict = {}
@@ -290,6 +296,31 @@ def test_provider_killed_with_sigkill_mid_transfer_does_not_stop_the_fetch(procs
         assert got[s.trainer_id.peer_id] >= manifest.total_bytes - got[helper_id]
         assert sum(receiver.stats.failures.values()) >= 1 and receiver.stats.banned == {}
         assert time.monotonic() - t0 < 30
+
+
+def test_a_provider_that_claims_chunks_it_does_not_serve_is_banned_and_the_fetch_completes(
+    procs, tmp_path: Path
+):
+    with swarm("nw-missing") as s:
+        tensors = make_tensors()
+        (manifest,) = s.publisher.publish(tensors.items(), 0)
+        digest = s.publisher.record.manifests[0].digest
+        _, liar_id = start_provider(procs, s, tmp_path, "--answer-missing")
+        receiver = s.receiver()
+        wait_until(lambda: provider_sees(receiver, liar_id, digest), 15, what="the liar's provider record")
+        weights = fetch(receiver, 0)
+        assert torch.equal(weights.tensors["layer.weight"], tensors["layer.weight"])
+        assert receiver.stats.banned == {liar_id: "claimed_missing"}, receiver.stats_dict()
+        cfg = receiver.config  # banned at the bound; streams already open to it may add their few
+        broken = receiver.stats.rejected["claimed_missing"]
+        assert cfg.max_missing_answers <= broken
+        assert broken <= cfg.max_missing_answers + cfg.max_inflight_per_provider * cfg.chunks_per_request
+        assert receiver.stats.bytes_by_provider == {s.trainer_id.peer_id: manifest.total_bytes}
+        # the next version: the banned liar is not asked again
+        step(tensors, 1)
+        s.publisher.publish(tensors.items(), 1)
+        assert fetch(receiver, 1).version == 1
+        assert receiver.stats.rejected["claimed_missing"] == broken
 
 
 def test_second_receiver_gets_the_version_from_the_first_so_the_trainer_uploads_it_once():

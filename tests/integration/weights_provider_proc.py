@@ -4,12 +4,16 @@ Used by ``test_weights_distribution.py`` as a provider that the test can kill wi
 a transfer: it starts a DHT on 127.0.0.1 bootstrapping from ``--initial-peer``, fetches ``--version`` from
 the trainer whose OpenSSH key is ``--trusted-key``, serves it with an upload cap of ``--upload-rate`` bytes/s
 (slow on purpose), writes its peer id to ``--ready-file`` and serves until SIGTERM or ``--max-seconds``.
-Every wait is bounded.
+With ``--answer-missing`` it misbehaves: its provider record still lists the version as complete, but it
+answers every chunk request "missing" (a provider that claims chunks it does not serve); with ``--follow``
+it then keeps fetching newer versions and does the same with each (``benchmarks/weights_missing.py``).
+``--stats-file`` receives what it served, as JSON, when it stops. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -25,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upload-rate", type=float, default=None, help="bytes/s this provider uploads at most")
     p.add_argument("--ready-file", required=True)
     p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("--answer-missing", action="store_true", help="claim every chunk, serve none")
+    p.add_argument("--follow", action="store_true", help="keep fetching newer versions")
+    p.add_argument("--stats-file", default=None, help="write the served counters here at the end")
     args = p.parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -34,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.transport.trust import TrustedTrainers
-    from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
-    from echo_p2p.transport.weights_service import ServiceLimits
+    from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
+    from echo_p2p.transport.weights.service import ServiceLimits
 
     keys = SwarmKeys(args.run_id)
     identity = load_or_create_identity(None)
@@ -52,17 +59,47 @@ def main(argv: list[str] | None = None) -> int:
     ).start()
     try:
         fetcher.ensure_version(args.version, timeout=60)
+
+        def lie(_weights=None) -> None:  # every complete version it holds: listed, never served
+            if args.answer_missing:
+                for entry in fetcher.endpoint.library.entries():
+                    if entry.complete and not isinstance(entry.store, _ClaimingStore):
+                        entry.store = _ClaimingStore(entry.store)
+                fetcher.announce()
+
+        lie()
         fetcher.announce()  # synchronously, so that the test sees this provider once the file exists
         tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(identity.peer_id)
         os.replace(tmp, args.ready_file)
+        if args.follow:
+            fetcher.follow(on_update=lie)
         stop.wait(args.max_seconds)
     finally:
+        if args.stats_file:
+            with open(args.stats_file, "w") as f:
+                json.dump(fetcher.endpoint.servicer.stats.as_dict(), f)
         fetcher.shutdown()
         stop_dht(dht)
         identity.cleanup()
     return 0
+
+
+class _ClaimingStore:
+    """A chunk store that says it is complete (so the provider record lists it) and holds nothing."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def is_complete(self) -> bool:
+        return True
+
+    def has(self, index: int) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
 
 
 if __name__ == "__main__":

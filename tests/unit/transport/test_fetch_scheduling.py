@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import torch
-
-from echo_p2p.net.records import PolicyRecord
-from echo_p2p.transport.weights_fetch_session import _FetchSession, _Source
-from echo_p2p.transport.weights_fetcher import FetcherConfig, FetchStats
-from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits
-from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
+from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.session import _FetchSession
+from tests.unit.transport.local_weights import publish, session_for
 
 
 def session(**config) -> tuple[_FetchSession, str]:
-    encoder = WeightEncoder(EncodingConfig(encoding="fp32", chunk_size=400), run_id="r", publisher="QmPub")
-    (version,) = encoder.encode([("w", torch.zeros(1000))], 0)  # 10 chunks
-    entry = ServedVersion.of(version.manifest, ChunkStore(version.manifest))
-    fetcher = SimpleNamespace(
-        config=FetcherConfig(**config),
-        endpoint=SimpleNamespace(peer_id="QmMe", limits=ServiceLimits()),
-        _banned_until={},
-        stats=FetchStats(),
-        on_progress=None,
-        _verifier=None,
-    )
-    record = PolicyRecord(peer_id="QmPub", stream_id=encoder.stream_id, version=0)
-    return _FetchSession(fetcher, record, [entry]), entry.digest
+    s = session_for(publish(), {}, None, **config)  # 10 chunks; no provider is ever called here
+    return s, s.order[0]
 
 
 def test_the_publisher_is_spared_the_chunks_a_peer_holds():
     s, digest = session(chunks_per_request=4)
     publisher = s.sources["QmPub"]
-    peer = s.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = s.sources["QmPeer"] = Source("QmPeer", [])
     peer.complete.add(digest)
     alive = [publisher, peer]
     assert s._pick_work(publisher, alive, stalled=False) is None
@@ -46,7 +29,7 @@ def test_the_publisher_is_spared_the_chunks_a_peer_holds():
 def test_the_publisher_gets_what_no_peer_holds_or_fetches_with_a_freshness_window():
     s, digest = session()
     publisher = s.sources["QmPub"]
-    partial = s.sources["QmPartial"] = _Source("QmPartial", [])
+    partial = s.sources["QmPartial"] = Source("QmPartial", [])
     partial.partial.add(digest)
     partial.have[digest] = {0, 1, 2}
     partial.fetching[digest] = {3, 4}
@@ -60,7 +43,7 @@ def test_the_publisher_gets_what_no_peer_holds_or_fetches_with_a_freshness_windo
 def test_a_dropped_peer_leaves_everything_to_the_publisher():
     s, digest = session()
     publisher = s.sources["QmPub"]
-    peer = s.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = s.sources["QmPeer"] = Source("QmPeer", [])
     peer.complete.add(digest)
     peer.dropped = True
     _, candidates, _, _ = s._pick_work(publisher, s._alive(), stalled=False)
@@ -81,7 +64,7 @@ def test_chunks_in_flight_are_not_asked_twice_and_picks_are_bounded():
 def test_a_failing_peer_is_dropped_but_the_publisher_only_backs_off():
     s, digest = session(max_provider_failures=2)
     publisher = s.sources["QmPub"]
-    peer = s.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = s.sources["QmPeer"] = Source("QmPeer", [])
     s.f.endpoint.forget = lambda peer_id: None
     for _ in range(3):
         s._fail(peer, "timeout", TimeoutError())

@@ -8,102 +8,25 @@ servicers' ``rpc_have`` / ``rpc_get_chunks``, so the session, the servicer (``pi
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
 import time
-from types import SimpleNamespace
 
 import pytest
-import torch
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 
 from echo_p2p.net.directory import Entry
-from echo_p2p.net.records import PolicyRecord, ProviderRecord
+from echo_p2p.net.records import ProviderRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights_fetch_session import FetchError, _FetchSession, _Source
-from echo_p2p.transport.weights_fetcher import FetcherConfig, FetchStats
-from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
-from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
-
-ME = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
-OTHER = PeerID.from_base58("QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")
-PUB = "QmPub"
-
-
-class LocalStream:
-    """``ChunkStream`` over a servicer's async generator."""
-
-    def __init__(self, parts):
-        self.parts = parts
-
-    async def next(self, timeout: float):
-        try:
-            return await asyncio.wait_for(self.parts.__anext__(), timeout)
-        except StopAsyncIteration:
-            return None
-
-    def close(self) -> None:
-        asyncio.ensure_future(self.parts.aclose())
-
-
-class LocalEndpoint:
-    """The client side of ``WeightsEndpoint``, answered in-process by the servicers of ``peers``."""
-
-    def __init__(self, peers: dict[str, WeightsServicer]):
-        self.peers = peers
-        self.peer_id = "QmMe"
-        self.limits = ServiceLimits()
-
-    @staticmethod
-    def context() -> P2PContext:
-        return P2PContext(handle_name="test", local_id=OTHER, remote_id=ME)
-
-    async def connect(self, peer_id, maddrs, timeout) -> None:
-        pass
-
-    def forget(self, peer_id) -> None:
-        pass
-
-    async def have(self, peer_id, digest, timeout):
-        request = weights_pb2.HaveRequest(digest=bytes.fromhex(digest))
-        return await self.peers[peer_id].rpc_have(request, self.context())
-
-    async def open_chunk_stream(self, peer_id, request, timeout):
-        return LocalStream(self.peers[peer_id].rpc_get_chunks(request, self.context()))
-
-
-@pytest.fixture
-def verifier():
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    yield pool
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
-def publish() -> ServedVersion:
-    encoder = WeightEncoder(EncodingConfig(encoding="fp32", chunk_size=400), run_id="r", publisher=PUB)
-    (version,) = encoder.encode([("w", torch.arange(1000, dtype=torch.float32))], 0)  # 10 chunks
-    return ServedVersion.of(version.manifest, version.store)
+from echo_p2p.transport.weights.config import FetchError
+from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.service import ServedVersion, WeightsServicer
+from echo_p2p.transport.weights.session import _FetchSession
+from tests.unit.transport.local_weights import ME, OTHER, PUB, publish, servicer_of, session_for
 
 
 def setup(verifier, **config) -> tuple[_FetchSession, WeightsServicer, ServedVersion]:
     served = publish()
-    library = WeightLibrary()
-    library.add(served)
-    publisher = WeightsServicer(library)
-    fetcher = SimpleNamespace(
-        config=FetcherConfig(**config),
-        endpoint=LocalEndpoint({PUB: publisher}),
-        directory=SimpleNamespace(providers=lambda: []),
-        _banned_until={},
-        _stop=threading.Event(),
-        _verifier=verifier,
-        _ban=lambda peer_id, reason: None,
-        stats=FetchStats(),
-        on_progress=None,
-    )
-    record = PolicyRecord(peer_id=PUB, stream_id=served.manifest.stream_id, version=0)
-    receiving = ServedVersion.of(served.manifest, ChunkStore(served.manifest), raw=served.raw)
-    return _FetchSession(fetcher, record, [receiving]), publisher, served
+    publisher = servicer_of(served)
+    return session_for(served, {PUB: publisher}, verifier, **config), publisher, served
 
 
 async def hand_out_everything(publisher: WeightsServicer, served: ServedVersion) -> None:
@@ -166,7 +89,7 @@ async def test_the_window_stays_while_another_provider_lists_the_version(verifie
 
 def test_a_provider_that_forgot_a_version_no_longer_spares_the_publisher(verifier):
     session, _, served = setup(verifier)
-    peer = session.sources["QmPeer"] = _Source("QmPeer", [])
+    peer = session.sources["QmPeer"] = Source("QmPeer", [])
     peer.partial.add(served.digest)
     peer.have[served.digest] = set(range(5))
     peer.fetching[served.digest] = set(range(5, 10))

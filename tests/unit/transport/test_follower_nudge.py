@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from echo_p2p.transport.weights_fetcher import FetcherConfig, WeightFetcher
+from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 
 
 def follower(poll_period: float) -> tuple[WeightFetcher, list[float]]:

@@ -10,16 +10,14 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights_service import (
-    ChunkStream,
-    RemoteError,
+from echo_p2p.transport.weights.service import (
     ServedVersion,
     ServiceLimits,
-    StreamViolation,
     WeightLibrary,
     WeightsServicer,
     bitmap_indices,
 )
+from echo_p2p.transport.weights.stream import ChunkStream, RemoteError, StreamViolation
 from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
 
 ALICE = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")

@@ -1,6 +1,7 @@
-"""Settings and counters of a weight fetcher: ``FetcherConfig`` (validated with the peer's config, before
-anything starts) and ``FetchStats`` (what the metrics line reports). Pure data; the machinery is
-``weights_fetcher`` and ``weights_fetch_session``.
+"""Settings, counters and reports of a weight fetcher: ``FetcherConfig`` (validated with the peer's config,
+before anything starts), ``FetchStats`` (what the metrics line reports), ``FetchProgress`` (passed to the
+progress callback) and ``FetchError`` (a fetch that did not complete). Pure data; the machinery is
+``fetcher`` and ``session``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.net.records import MAX_RECORD_TTL
-from echo_p2p.transport.weights_service import ServiceLimits
+from echo_p2p.transport.weights.service import ServiceLimits
 
 
 class FetcherConfig(BaseModel):
@@ -86,7 +87,27 @@ class FetcherConfig(BaseModel):
         "is retried with a growing back-off instead)",
     )
     ban_seconds: float = Field(
-        default=600.0, ge=0, description="How long a provider that served bad data is avoided"
+        default=600.0,
+        ge=0,
+        description="How long a provider that served bad data, or claimed chunks it does not serve, is avoided",
+    )
+    max_missing_answers: int = Field(
+        default=8,
+        ge=1,
+        description="'missing' answers for chunks a provider advertised (its manifest listed complete, or the "
+        "chunk set in its chunk map) after which it is banned; an honest provider gives none",
+    )
+    missing_window: float = Field(
+        default=600.0, gt=0, description="Seconds over which a provider's 'missing' answers add up"
+    )
+    provider_request_rate: float = Field(
+        default=20.0,
+        gt=0,
+        description="Chunk streams opened per second to one provider at most (a bound on what any one "
+        "provider can cost, whatever it answers)",
+    )
+    provider_request_burst: int = Field(
+        default=4, ge=1, description="Chunk streams that may open to one provider at once within that rate"
     )
     record_ttl: float = Field(
         default=30.0, gt=0, le=MAX_RECORD_TTL, description="Lifetime (s) of this peer's ProviderRecord"
@@ -135,3 +156,24 @@ class FetchStats:
             "fetch_bytes": self.last_fetch_bytes,
             "banned": dict(self.banned),
         }
+
+
+class FetchError(Exception):
+    """A fetch that did not complete; ``reason`` is the counter name."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class FetchProgress:
+    """Where a fetch stands (passed to the progress callback after each verified chunk)."""
+
+    version: int
+    chunks_done: int
+    chunks_total: int
+    bytes_done: int
+    bytes_total: int
+    providers: int
+    elapsed: float

@@ -5,7 +5,8 @@ or still being fetched), ``WeightsServicer`` (a hivemind ``ServicerBase``: ``rpc
 ``rpc_have`` and the server-streaming ``rpc_get_chunks``, with per-request limits, stream limits, an
 optional upload rate limit and byte counters), ``WeightsEndpoint`` (one per process and DHT: a ``P2PLoop``
 on a replica of the DHT's daemon, the servicer registered under the run's namespace)
-and the client-side reader of chunk streams, which refuses frames larger than a part before reading them.
+and the client calls (the chunk stream itself is read by ``stream.ChunkStream``, which refuses frames
+larger than a part before reading them).
 Callers: ``WeightPublisher`` (trainers) and ``WeightFetcher`` (inference peers). Must not decode weights
 (``echo_p2p.weights`` does) nor decide what to trust (``trust.py`` does). Peers' bad requests get an
 error message and a counter, never an exception in the caller.
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.p2p_loop import P2PLoop
+from echo_p2p.transport.weights.stream import ChunkStream
 from echo_p2p.weights.manifest import ChunkStore, Manifest
 
 logger = logging.getLogger(__name__)
@@ -453,66 +455,3 @@ class WeightsEndpoint:
 async def _send_request(request: weights_pb2.ChunksRequest, writer: asyncio.StreamWriter) -> None:
     await P2P.send_protobuf(request, writer)
     await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
-
-
-class StreamViolation(Exception):
-    """A provider broke the stream protocol (oversized frame, garbage): ``reason`` names how."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-class RemoteError(Exception):
-    """The provider's handler failed and sent an error frame."""
-
-
-class ChunkStream:
-    """Client side of one ``rpc_get_chunks`` stream, read frame by frame with hivemind's framing.
-
-    A frame longer than ``max_frame`` is refused before its body is read (``StreamViolation('oversized')``),
-    so a provider cannot make a receiver buffer an arbitrary message.
-    """
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int):
-        self.reader = reader
-        self.writer = writer
-        self.max_frame = max_frame
-
-    async def next(self, timeout: float) -> weights_pb2.ChunkPart | None:
-        """The next part, or None at a clean end of stream; ``TimeoutError`` when nothing came in time;
-        ``asyncio.IncompleteReadError`` when the stream broke inside a frame."""
-        return await asyncio.wait_for(self._next(), timeout)
-
-    async def _next(self) -> weights_pb2.ChunkPart | None:
-        try:
-            marker = await self.reader.readexactly(1)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise
-            return None
-        header = await self.reader.readexactly(P2P.HEADER_LEN)
-        length = int.from_bytes(header, P2P.BYTEORDER)
-        if length > self.max_frame:
-            raise StreamViolation("oversized", f"a {length}-byte frame (limit {self.max_frame})")
-        body = await self.reader.readexactly(length)
-        if marker == P2P.MESSAGE_MARKER:
-            try:
-                return weights_pb2.ChunkPart.FromString(body)
-            except Exception as exc:  # protobuf raises DecodeError and others on garbage
-                raise StreamViolation("malformed_part", str(exc)) from None
-        if marker == P2P.ERROR_MARKER:
-            from hivemind.proto.p2pd_pb2 import RPCError
-
-            try:
-                message = RPCError.FromString(body).message
-            except Exception:
-                message = "(unreadable error)"
-            raise RemoteError(message[:200])
-        raise StreamViolation("malformed_part", f"unknown frame marker {marker!r}")
-
-    def close(self) -> None:
-        try:
-            self.writer.close()
-        except Exception:  # already closed by the peer
-            pass

@@ -1,7 +1,6 @@
 """Receiver side of the weights transport: find, fetch, verify and atomically apply policy versions.
 
-Owned here: ``plan_chain`` (which manifests to fetch: the deltas from the exact version
-held, else the newest keyframe and the deltas after it); ``WeightFetcher``, which reads the trainers'
+Owned here: ``WeightFetcher``, which reads the trainers'
 ``PolicyRecord``s, accepts manifests only from trusted trainers (``trust.check_manifest``), pulls chunks in
 parallel from several providers (the publisher and peers that hold or are fetching the same manifest), checks
 every digest, retries a chunk elsewhere on timeout, error, bad digest or a broken stream, bans a provider that
@@ -9,8 +8,9 @@ served bad data, and swaps its ``PolicyWeights`` only once every chunk of the ch
 a peer never runs a mixed policy. With ``serve`` on it serves what it holds (chunks of a version being
 fetched included) and announces itself as a provider (peer-assisted distribution); the publisher is spared:
 it is asked only for chunks no other provider holds or is fetching, and hands different chunks to
-different receivers. The transfer itself (scheduling, streams, retries, bans) is ``weights_fetch_session``;
-the settings and counters (``FetcherConfig``, ``FetchStats``) are ``weights_fetch_config``.
+different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself (scheduling,
+streams, retries, bans) is ``session``; the settings, counters and reports (``FetcherConfig``,
+``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``.
 Callers: the inference peer (``update`` / ``ensure_version`` / ``follow``),
 benchmarks, tests. Bad input from peers is counted by reason in ``stats()``, never raised to the caller.
 """
@@ -32,17 +32,16 @@ from echo_p2p.net.node import visible_maddrs
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.trust import TrustedTrainers, check_manifest
-from echo_p2p.transport.weights_fetch_config import FetcherConfig, FetchStats  # part of this API
-from echo_p2p.transport.weights_fetch_session import (  # FetchError, FetchProgress: re-exported, part of this API
+from echo_p2p.transport.weights.chain import PlanError, plan_chain  # re-exported, part of this API
+from echo_p2p.transport.weights.config import (  # re-exported, part of this API
+    FetcherConfig,
     FetchError,
     FetchProgress,
-    _FetchSession,
+    FetchStats,
 )
-from echo_p2p.transport.weights_service import (
-    ServedVersion,
-    WeightsEndpoint,
-    manifest_digest,
-)
+from echo_p2p.transport.weights.providers import MAX_TRACKED_PROVIDERS, ProviderBook
+from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint, manifest_digest
+from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights import (
     Manifest,
     PolicyWeights,
@@ -59,47 +58,6 @@ _STALE_REASONS = frozenset({"version_dropped", "manifest_unavailable"})
 
 #: Seconds the follower waits after a check before it heeds the next nudge (acks can nudge many times a second).
 NUDGE_GAP = 0.05
-
-
-class PlanError(Exception):
-    """No chain of manifests in the record leads to its newest version."""
-
-
-def plan_chain(record: PolicyRecord, held: tuple[str, int] | None) -> list[ManifestRef]:
-    """Manifests to fetch, in apply order, to go from ``held`` = (stream_id, version) to ``record.version``.
-
-    Deltas apply only on exactly (stream_id, base_version): from a held version of the same stream the chain
-    is its deltas; otherwise the newest keyframe at or below the target and the deltas after it. Empty when
-    ``held`` is already at or past the target on that stream. Raises ``PlanError`` when no chain exists.
-    """
-    target = record.version
-    if held is not None and held[0] == record.stream_id and held[1] >= target:
-        return []
-    deltas = {r.base_version: r for r in record.manifests if r.base_version is not None}
-
-    def follow(version: int) -> list[ManifestRef] | None:
-        chain: list[ManifestRef] = []
-        while version != target:
-            ref = deltas.get(version)
-            if ref is None or ref.version <= version or ref.version > target:
-                return None
-            chain.append(ref)
-            version = ref.version
-        return chain
-
-    if held is not None and held[0] == record.stream_id:
-        chain = follow(held[1])
-        if chain is not None:
-            return chain
-    keyframes = sorted(
-        (r for r in record.manifests if r.base_version is None and r.version <= target),
-        key=lambda r: -r.version,
-    )
-    for keyframe in keyframes:
-        chain = follow(keyframe.version)
-        if chain is not None:
-            return [keyframe, *chain]
-    raise PlanError(f"record of {record.peer_id[-8:]} lists no chain to version {target}")
 
 
 class WeightFetcher:
@@ -135,7 +93,9 @@ class WeightFetcher:
         self._announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="provider-announce")
         # digests are checked in one thread: at most one core hashes, the streams and p2pd keep the others
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chunk-verifier")
-        self._banned_until: dict[str, float] = {}
+        self.book = ProviderBook(
+            self.config.ban_seconds, self.config.max_missing_answers, self.config.missing_window
+        )
         self._refused: dict[str, str] = {}  # manifest digest -> reason (never fetched again)
         self._seen_untrusted: set[tuple[str, int]] = set()
         self._resume: dict[str, VersionAssembler] = {}  # partial stores of the last failed fetch
@@ -214,6 +174,17 @@ class WeightFetcher:
             if self.version is None or self.version < min_version:
                 self._stop.wait(min(0.2, max(0.0, deadline - time.monotonic())))
 
+    def published_version(self) -> int | None:
+        """The newest version this peer holds or a trusted, not banned trainer announces (one DHT read,
+        bounded by ``request_timeout``); None when there is none. Cheap: nothing is fetched."""
+        versions = [
+            e.record.version
+            for e in self.directory.policies()
+            if self.trusted.is_trusted(e.record.peer_id) and not self.book.banned(e.record.peer_id)
+        ]
+        held = self.version
+        return max([*versions, *([] if held is None else [held])], default=None)
+
     def follow(self, on_update: Callable[[PolicyWeights], None] | None = None) -> None:
         """Poll for new versions in a background thread (async mode); ``on_update`` after each swap."""
 
@@ -277,7 +248,7 @@ class WeightFetcher:
                         "ignoring policy version %d of untrusted peer %s", record.version, record.peer_id
                     )
                 continue
-            if self._banned_until.get(record.peer_id, 0) > time.monotonic():
+            if self.book.banned(record.peer_id):
                 continue
             if any(r.digest in self._refused for r in record.manifests if r.version == record.version):
                 continue
@@ -437,7 +408,7 @@ class WeightFetcher:
                 continue
             peer_id, maddrs = candidates[position]
             position += 1
-            if self._banned_until.get(peer_id, 0) > time.monotonic():
+            if self.book.banned(peer_id):
                 continue
             try:
                 await self.endpoint.connect(peer_id, maddrs, self.config.request_timeout)
@@ -517,5 +488,7 @@ class WeightFetcher:
                 reason,
                 self.config.ban_seconds,
             )
+            if len(self.stats.banned) >= MAX_TRACKED_PROVIDERS:  # bounded: forget the oldest
+                del self.stats.banned[next(iter(self.stats.banned))]
         self.stats.banned[peer_id] = reason
-        self._banned_until[peer_id] = time.monotonic() + self.config.ban_seconds
+        self.book.ban(peer_id)

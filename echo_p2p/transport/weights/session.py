@@ -4,9 +4,9 @@ Owned here: ``_FetchSession`` (used by ``WeightFetcher._fetch``: which chunk to 
 per-chunk deadlines, retries elsewhere on timeout, error, bad digest or a broken stream, banning a provider
 that served bad data, sparing the publisher, ending a fetch that cannot complete: ``version_dropped`` at
 once when the publisher no longer serves a manifest of the chain, ``no_providers`` when nobody alive lists
-one), its per-provider ``_Source`` state, and the errors and progress records a fetch reports
-(``FetchError``, ``FetchProgress``). Split from ``weights_fetcher`` so that
-the fetcher keeps the peer-facing API (records, trust, chains, atomic apply) and this module the transfer.
+one). Per-provider state is ``providers.Source``, the stream reader ``stream``, the errors and progress
+records a fetch reports (``FetchError``, ``FetchProgress``) ``config``. Split from ``fetcher`` so that the
+fetcher keeps the peer-facing API (records, trust, chains, atomic apply) and this module the transfer.
 Must not decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
 """
 
@@ -17,85 +17,20 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from echo_p2p.net.records import PolicyRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights_service import (
-    RemoteError,
-    ServedVersion,
-    StreamViolation,
-    bitmap_indices,
-)
+from echo_p2p.transport.weights.config import FetchError, FetchProgress
+from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.service import ServedVersion, bitmap_indices
+from echo_p2p.transport.weights.stream import RemoteError, StreamBroken, StreamState, StreamViolation
 from echo_p2p.weights import ChunkDigestError, ChunkError
 
 if TYPE_CHECKING:
-    from echo_p2p.transport.weights_fetcher import WeightFetcher
+    from echo_p2p.transport.weights.fetcher import WeightFetcher
 
-logger = logging.getLogger("echo_p2p.transport.weights_fetcher")
-
-
-class FetchError(Exception):
-    """A fetch that did not complete; ``reason`` is the counter name."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-@dataclass
-class FetchProgress:
-    """Where a fetch stands (passed to the progress callback after each verified chunk)."""
-
-    version: int
-    chunks_done: int
-    chunks_total: int
-    bytes_done: int
-    bytes_total: int
-    providers: int
-    elapsed: float
-
-
-class _Source:
-    """One provider during one fetch: what it holds, what is in flight to it, how it behaved."""
-
-    def __init__(self, peer_id: str, maddrs: Iterable[str], publisher: bool = False):
-        self.peer_id = peer_id
-        self.maddrs = list(maddrs)
-        self.publisher = publisher
-        self.complete: set[str] = set()
-        self.partial: set[str] = set()
-        self.have: dict[str, set[int]] = {}
-        self.fetching: dict[str, set[int]] = {}
-        self.inflight = 0
-        self.failures = 0
-        self.dropped = False
-        self.busy_until = 0.0
-        self.next_have = 0.0
-        self.polling = False
-        self.rate: float | None = None  # bytes/s of its recent streams
-
-    def lists(self, digest: str) -> bool:
-        """Whether it may still serve chunks of ``digest`` (complete, or partial and not gone since)."""
-        return digest in self.complete or digest in self.partial
-
-    def holds(self, digest: str, index: int) -> bool:
-        return digest in self.complete or (digest in self.partial and index in self.have.get(digest, ()))
-
-    def will_hold(self, digest: str, index: int) -> bool:
-        """Holds chunk ``index`` of ``digest`` or is fetching it (so it will serve it soon)."""
-        return self.holds(digest, index) or (
-            digest in self.partial and index in self.fetching.get(digest, ())
-        )
-
-    def forget(self, digest: str) -> None:
-        """It no longer holds ``digest`` (``not_held``, or ``have`` said so): ask it nothing of it again."""
-        self.complete.discard(digest)
-        self.partial.discard(digest)
-        self.have.pop(digest, None)
-        self.fetching.pop(digest, None)
+logger = logging.getLogger("echo_p2p.transport.weights.fetcher")
 
 
 class _FetchSession:
@@ -108,9 +43,9 @@ class _FetchSession:
         self.entries = {e.digest: e for e in entries}
         self.order = [e.digest for e in entries]
         self.missing = {e.digest: set(e.store.missing()) for e in entries}
-        self.inflight: dict[str, dict[int, _Source]] = {e.digest: {} for e in entries}
+        self.inflight: dict[str, dict[int, Source]] = {e.digest: {} for e in entries}
         self.picks: Counter = Counter()  # digest -> chunks asked in pick mode whose first part has not come
-        self.sources: dict[str, _Source] = {}
+        self.sources: dict[str, Source] = {}
         self.chunks_total = sum(e.manifest.num_chunks for e in entries)
         self.bytes_total = sum(e.manifest.total_bytes for e in entries)
         self.bytes_done = 0
@@ -128,9 +63,9 @@ class _FetchSession:
         self.empty_picks: dict[str, float] = {}
         self.no_window: set[str] = set()  # digests asked of the publisher without the window
         self.refresh_now = False
-        publisher = _Source(record.peer_id, record.maddrs, publisher=True)
+        publisher = Source(record.peer_id, record.maddrs, publisher=True)
         publisher.complete = set(self.order)
-        if fetcher._banned_until.get(record.peer_id, 0) <= time.monotonic():
+        if not fetcher.book.banned(record.peer_id):
             self.sources[record.peer_id] = publisher
 
     def _spawn(self, coro) -> None:
@@ -155,24 +90,11 @@ class _FetchSession:
             "unserved": sorted(d[:12] for d in self.unserved),  # dropped by the publisher
             "no_window": sorted(d[:12] for d in self.no_window),
             "since_progress": now - self.last_progress,
-            "providers": {
-                s.peer_id: {
-                    "publisher": s.publisher,
-                    "dropped": s.dropped,
-                    "in_flight": s.inflight,
-                    "failures": s.failures,
-                    "busy_for": max(0.0, s.busy_until - now),
-                    "complete": len(s.complete),
-                    "partial": len(s.partial),
-                    "have": {d[:12]: len(h) for d, h in s.have.items()},
-                    "rate": s.rate,
-                }
-                for s in list(self.sources.values())
-            },
+            "providers": {s.peer_id: s.state(now) for s in list(self.sources.values())},
             "tasks": len(self.tasks),
         }
 
-    def _alive(self) -> list[_Source]:
+    def _alive(self) -> list[Source]:
         return [s for s in self.sources.values() if not s.dropped]
 
     def _orphans(self) -> list[str]:
@@ -261,23 +183,27 @@ class _FetchSession:
                 or p.stream_id != self.record.stream_id
             ):
                 continue
-            if self.f._banned_until.get(p.peer_id, 0) > now:
+            if self.f.book.banned(p.peer_id, now):
                 continue
             complete, partial = set(p.manifests) & wanted, set(p.partial) & wanted
             if not complete and not partial:
                 continue
             source = self.sources.get(p.peer_id)
             if source is None:
-                source = self.sources[p.peer_id] = _Source(p.peer_id, p.maddrs)
+                source = self.sources[p.peer_id] = Source(p.peer_id, p.maddrs)
             source.complete |= complete
             source.partial |= partial - source.complete
         # the publisher had nothing fresh for a digest before this read: if no other live provider is known
-        # to hold it, whoever got those chunks skipped the version or moved on; ask without the window
+        # to hold it, whoever got those chunks skipped the version, moved on or is banned; ask without the
+        # window, at once (the publisher waited only for this read, unless it failed meanwhile)
+        publisher = self.sources.get(self.record.peer_id)
         for digest, at in list(self.empty_picks.items()):
             if at <= started:
                 del self.empty_picks[digest]
                 if not any(s.lists(digest) for s in self._alive() if not s.publisher):
                     self.no_window.add(digest)
+                    if publisher is not None and not publisher.failures:
+                        publisher.busy_until = min(publisher.busy_until, now)
         self.wake.set()
 
     def _poll_haves(self, now: float) -> None:
@@ -290,7 +216,7 @@ class _FetchSession:
                 s.next_have = now + self.cfg.have_period
                 self._spawn(self._poll_have(s, digests))
 
-    async def _poll_have(self, s: _Source, digests: list[str]) -> None:
+    async def _poll_have(self, s: Source, digests: list[str]) -> None:
         try:
             await self.f.endpoint.connect(s.peer_id, s.maddrs, self.cfg.request_timeout)
             for digest in digests:
@@ -302,7 +228,7 @@ class _FetchSession:
                     s.complete.add(digest)
                 else:
                     s.have[digest] = bitmap_indices(response.bitmap, n)
-                    s.fetching[digest] = bitmap_indices(response.fetching, n)
+                    s.note_fetching(digest, bitmap_indices(response.fetching, n), time.monotonic())
         except Exception as exc:
             self._fail(s, "have_error", exc)
         finally:
@@ -318,10 +244,13 @@ class _FetchSession:
             while s.inflight < limit and s.busy_until <= now:
                 if s.publisher and s.inflight and sum(self.picks.values()) > 1:
                     break  # pipelining only: the open stream still has chunks to start
+                if not s.may_request(now, self.cfg.provider_request_rate, self.cfg.provider_request_burst):
+                    break  # its request budget is spent: whatever it answers, it costs at most that rate
                 work = self._pick_work(s, alive, stalled)
                 if work is None:
                     break
                 digest, indices, pick, fresh_for = work
+                s.spend_request()
                 s.inflight += 1
                 self.picks[digest] += pick
                 if not pick:
@@ -331,7 +260,7 @@ class _FetchSession:
                 self._spawn(self._request(s, digest, indices, pick, fresh_for))
 
     def _pick_work(
-        self, s: _Source, alive: list[_Source], stalled: bool
+        self, s: Source, alive: list[Source], stalled: bool
     ) -> tuple[str, list[int], int, float] | None:
         limit = self.f.endpoint.limits.max_chunks_per_request
         for digest in self.order:
@@ -342,7 +271,8 @@ class _FetchSession:
                 avail &= s.have.get(digest, set())
             if s.publisher and self.cfg.spare_publisher and not stalled:
                 others = [o for o in alive if o is not s]
-                avail = {i for i in avail if not any(o.will_hold(digest, i) for o in others)}
+                recent = time.monotonic() - self.cfg.stall_timeout  # older "fetching" claims are not spared
+                avail = {i for i in avail if not any(o.will_hold(digest, i, recent) for o in others)}
             if not avail:
                 continue
             if s.publisher and self.cfg.publisher_pick:
@@ -369,9 +299,7 @@ class _FetchSession:
         return None
 
     # ---- one stream ---------------------------------------------------------------------------------
-    async def _request(
-        self, s: _Source, digest: str, indices: list[int], pick: int, fresh_for: float
-    ) -> None:
+    async def _request(self, s: Source, digest: str, indices: list[int], pick: int, fresh_for: float) -> None:
         """One chunk stream from ``s``; every outcome is mapped to a counter, a retry or a ban here."""
         entry = self.entries[digest]
         manifest = entry.manifest
@@ -383,7 +311,7 @@ class _FetchSession:
             pick=pick,
             fresh_for=fresh_for,
         )
-        state = _StreamState(
+        state = StreamState(
             expected=set(indices), mine=set() if pick else set(indices), pick=pick, picks_left=pick
         )
         stream = None
@@ -405,7 +333,9 @@ class _FetchSession:
                 if fresh_for and digest not in self.empty_picks:
                     self.empty_picks[digest] = time.monotonic()
                     self.refresh_now = True  # learn now who else holds them (else: no window for it)
-            received = sum(manifest.chunks[i].size for i in state.done if i in state.mine or pick)
+            received = sum(
+                manifest.chunks[i].size for i in state.done - state.missing if i in state.mine or pick
+            )
             if received:  # bytes/s of this stream, smoothed
                 rate = received / max(time.monotonic() - started, 1e-3)
                 s.rate = rate if s.rate is None else 0.5 * s.rate + 0.5 * rate
@@ -423,7 +353,7 @@ class _FetchSession:
                 s.busy_until = time.monotonic() + 0.5
             else:
                 self._fail(s, "remote_error", exc)
-        except _Broken as exc:
+        except StreamBroken as exc:
             self.f.stats.rejected[exc.reason] += 1
             self._fail(s, exc.reason, exc)
         except asyncio.IncompleteReadError as exc:
@@ -436,6 +366,7 @@ class _FetchSession:
         except Exception as exc:
             self._fail(s, "error", exc)
         finally:
+            self._settle_missing(s, state)
             self.picks[digest] -= state.picks_left
             s.inflight -= 1
             for (
@@ -444,7 +375,7 @@ class _FetchSession:
                 self._release(digest, i, s)
             self.wake.set()
 
-    async def _read(self, s: _Source, entry: ServedVersion, stream, state: _StreamState) -> None:
+    async def _read(self, s: Source, entry: ServedVersion, stream, state: StreamState) -> None:
         """Read parts until the stream ends, checking each against the request and the manifest.
 
         A completed chunk is verified in a worker thread while the stream goes on (``state.verifying``).
@@ -464,8 +395,13 @@ class _FetchSession:
             if i not in state.expected or i in state.done:
                 raise StreamViolation("unexpected_chunk", f"chunk {i} was not asked for")
             if part.missing:
-                s.have.get(digest, set()).discard(i)
+                if s.advertised(digest, i):  # a promise broken: counted, and not asked of it again
+                    state.broken += 1
+                    s.deny(digest, i)
+                else:
+                    s.have.get(digest, set()).discard(i)
                 state.done.add(i)
+                state.missing.add(i)
                 self._release(digest, i, s)
                 continue
             size = manifest.chunks[i].size
@@ -495,18 +431,31 @@ class _FetchSession:
                 current, pieces, got = None, [], 0
                 deadline = time.monotonic() + self.cfg.chunk_timeout  # for the next chunk's first part
         if current is not None:
-            raise _Broken("truncated", f"stream ended inside chunk {current}")
+            raise StreamBroken("truncated", f"stream ended inside chunk {current}")
         if not state.pick and state.expected - state.done:
-            raise _Broken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
+            raise StreamBroken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
 
-    def _release(self, digest: str, index: int, s: _Source) -> None:
+    def _settle_missing(self, s: Source, state: StreamState) -> None:
+        """Count the "missing" answers of one stream: a provider that gave ``max_missing_answers`` for
+        chunks it advertised is banned; one whose stream brought nothing else backs off."""
+        if not state.missing:
+            return
+        if state.broken:
+            self.f.stats.rejected["claimed_missing"] += state.broken
+            if self.f.book.missing(s.peer_id, state.broken) and not s.dropped:
+                self.f._ban(s.peer_id, "claimed_missing")
+                s.dropped = True
+        if state.done <= state.missing:
+            s.back_off(time.monotonic())
+
+    def _release(self, digest: str, index: int, s: Source) -> None:
         if self.inflight[digest].get(index) is s:
             del self.inflight[digest][index]
             self.entries[digest].fetching.discard(index)
             if index in self.missing[digest]:
                 self.f.stats.retries += 1
 
-    def _fail(self, s: _Source, reason: str, exc: BaseException) -> None:
+    def _fail(self, s: Source, reason: str, exc: BaseException) -> None:
         self.f.stats.failures[reason] += 1
         s.failures += 1
         logger.info("provider %s: %s (%r)", s.peer_id[-8:], reason, exc)
@@ -525,7 +474,7 @@ class _FetchSession:
                 reason,
             )
 
-    async def _store(self, s: _Source, entry: ServedVersion, index: int, data: bytes) -> None:
+    async def _store(self, s: Source, entry: ServedVersion, index: int, data: bytes) -> None:
         loop = asyncio.get_running_loop()
         try:
             new = await loop.run_in_executor(self.f._verifier, entry.store.put, index, data)
@@ -540,7 +489,7 @@ class _FetchSession:
         if not new:
             self.duplicate_bytes += len(data)
             return
-        s.failures = 0
+        s.failures = s.wasted = 0
         self.missing[entry.digest].discard(index)
         self.inflight[entry.digest].pop(index, None)
         entry.fetching.discard(index)
@@ -562,23 +511,3 @@ class _FetchSession:
                 )
             except Exception:
                 logger.exception("progress callback failed")
-
-
-@dataclass
-class _StreamState:
-    """Bookkeeping of one chunk stream."""
-
-    expected: set[int]  # indices asked for (candidates, in pick mode)
-    mine: set[int]  # indices this stream marked in flight
-    pick: int  # 0: the provider sends every index asked; k: at most k of its choice
-    picks_left: int  # pick mode: chunks the provider may still start
-    done: set[int] = field(default_factory=set)  # indices fully received (or reported missing)
-    verifying: list[asyncio.Future] = field(default_factory=list)
-
-
-class _Broken(Exception):
-    """A stream that ended early (the provider died or cut it): counted, retried elsewhere, not banned."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason

@@ -26,7 +26,7 @@ from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import visible_maddrs
 from echo_p2p.net.records import MAX_RECORD_TTL, ManifestRef, PolicyRecord
-from echo_p2p.transport.weights_service import ServedVersion, ServiceLimits, WeightsEndpoint
+from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightsEndpoint
 from echo_p2p.weights import EncodingConfig, Manifest, WeightEncoder
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,12 @@
+"""The weights transport: policy versions from trainers to inference peers, peer-assisted and verified.
+
+- ``publisher``: the trainer side (encode, sign, serve, announce each version).
+- ``fetcher``: the receiver side (find trusted records, fetch, verify, apply atomically, serve what it holds);
+  ``chain`` plans which manifests to fetch, ``session`` runs one transfer from several providers,
+  ``providers`` keeps what is known of each provider, ``config`` the fetcher's settings and counters.
+- ``service``: what a process serves (``WeightLibrary``, ``WeightsServicer``) and its P2P endpoint;
+  ``stream`` reads one chunk stream on the client side.
+
+Trust decisions are ``echo_p2p.transport.trust``; encoding and decoding are ``echo_p2p.weights``. Nothing is
+imported here: importing the package stays free of hivemind and torch.
+"""
