@@ -93,3 +93,52 @@ def test_an_oversized_payload_is_refused_without_being_parsed(loop, ingest):
     ack, peak = peak_allocated(lambda: run(loop, ingest.rpc_push_rollouts(stream([huge]), context())))
     assert [(a.status, a.reason) for a in ack.acks] == [(Status.REJECTED, Reason.TOO_LARGE.value)]
     assert peak < size + (1 << 20)  # at most that one copy: no parse, no second copy held
+
+
+def raw_stream(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def frame(marker: bytes, body: bytes, claimed: int | None = None) -> bytes:
+    from hivemind.p2p import P2P
+
+    length = len(body) if claimed is None else claimed
+    return marker + length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
+frames = st.lists(
+    st.builds(
+        frame,
+        st.sampled_from([b"\x00", b"\x01", b"\x02", b"\xff"]),  # message, error (end of stream), junk markers
+        st.builds(lambda m: m.SerializeToString(), payloads) | st.binary(max_size=64),
+        st.none() | st.integers(0, 1 << 40),  # lengths that lie: short, long, absurd
+    ),
+    max_size=6,
+).map(b"".join) | st.binary(max_size=200)
+
+
+@FUZZ
+@given(frames)
+def test_the_push_frame_reader_refuses_from_headers_and_never_reads_past_a_limit(loop, ingest, data):
+    """What a stranger writes on the push stream itself: any bytes, lying lengths, junk markers, a cut
+    stream. The reader returns the payloads it could read and why it stopped; it never raises or hangs, and
+    never accepts a frame longer than the limit."""
+    messages, refusal = run(loop, ingest._read_push("fuzzer", raw_stream(data)))
+    assert len(messages) <= LIMITS.max_groups_per_push + 1
+    assert refusal is None or refusal.split(":")[0] in (
+        "frame_too_large",
+        "rate_limited",
+        "bad_frame",
+        "banned",
+    )
+    assert all(len(m.SerializeToString()) <= ingest.max_frame for m in messages)
+
+
+def test_a_frame_claiming_a_terabyte_is_refused_from_its_header(loop, ingest):
+    data = frame(b"\x00", b"\x00" * 16, claimed=1 << 40)
+    (messages, refusal), peak = peak_allocated(lambda: run(loop, ingest._read_push("big", raw_stream(data))))
+    assert messages == [] and refusal.startswith("frame_too_large")
+    assert peak < 1 << 20
