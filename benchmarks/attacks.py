@@ -10,8 +10,8 @@ in the budget, steps per minute between the trainer's first and last step and it
 rollouts consumed per second, the reward of the last 10 steps, and what the attacker saw (the trainers'
 verdicts on what it sent, or the DHT's).
 
-Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,poison,oversized,heavy,flood,ghost]
-[--out PATH]`` (about 1.5 minutes per arm). Writes JSON to ``--out``. The machine is shared and noisy:
+Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,poison,oversized,heavy,flood,ghost,baseline]
+[--out PATH]`` (about 1.5 minutes per arm; the ratio is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
 compare arms of the same run only.
 """
 
@@ -57,23 +57,24 @@ def stop(proc: subprocess.Popen | None, grace: float = 20.0) -> None:
         proc.wait(timeout=10)
 
 
-def run_arm(arm: str, duration: float, workroot: Path) -> dict[str, Any]:
+def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, Any]:
     from echo_p2p.net.run_record import read_file
 
-    workdir = workroot / arm
+    name = f"{index}-{arm}"
+    workdir = workroot / name
     local = subprocess.Popen(
         [sys.executable, "-m", "echo_p2p.local", "--duration", str(duration), "--workdir", str(workdir)],
         cwd=str(ROOT),
-        stdout=open(workroot / f"{arm}-local.log", "wb"),
+        stdout=open(workroot / f"{name}-local.log", "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     attacker = None
-    report = workroot / f"{arm}-attacker.json"
+    report = workroot / f"{name}-attacker.json"
     try:
         files = [workdir / "bootstrap.maddrs", workdir / "run-record.bin"]
         if not wait_for_files(files, local, 120):
-            raise RuntimeError(f"{arm}: the local swarm did not start (see {workroot / f'{arm}-local.log'})")
+            raise RuntimeError(f"{arm}: the local swarm did not start (see {workroot / f'{name}-local.log'})")
         if arm != "baseline":
             record, _, _ = read_file(workdir / "run-record.bin")
             maddr = (workdir / "bootstrap.maddrs").read_text().split()[0]
@@ -82,7 +83,7 @@ def run_arm(arm: str, duration: float, workroot: Path) -> dict[str, Any]:
                 ["nice", "-n", "19", sys.executable, str(HERE / "attacker.py"), "--attack", arm]
                 + ["--join", join, "--duration", str(duration), "--report", str(report)],
                 cwd=str(ROOT),
-                stdout=open(workroot / f"{arm}-attacker.log", "wb"),
+                stdout=open(workroot / f"{name}-attacker.log", "wb"),
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
@@ -107,7 +108,11 @@ def run_arm(arm: str, duration: float, workroot: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=60.0)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument(
+        "--arms",
+        default=",".join((*ARMS, "baseline")),
+        help="in this order; a baseline first and last brackets the machine's drift (ratios use their mean)",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "attacks.json"))
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
@@ -116,10 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown arms {sorted(unknown)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="echo-attacks-") as tmp:
-        for arm in arms:
-            rows.append(run_arm(arm, args.duration, Path(tmp)))
+        for index, arm in enumerate(arms):
+            rows.append(run_arm(arm, args.duration, Path(tmp), index))
             print(f"{arm}: {rows[-1]}", flush=True)
-    base = next((r for r in rows if r["arm"] == "baseline"), None)
+    bases = [r["steps_per_minute"] for r in rows if r["arm"] == "baseline"]
+    base = {"steps_per_minute": sum(bases) / len(bases)} if bases else None
     print(
         f"\n{'arm':<10} {'steps':>6} {'steps/min':>10} {'x base':>7} {'roll/s':>7} {'reward':>7}  attacker saw"
     )

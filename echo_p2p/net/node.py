@@ -68,13 +68,13 @@ def start_dht(
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
-    from echo_p2p.net.records import lifetime_validator, schema_validator
+    from echo_p2p.net.records import rules_validator, schema_validator
 
     if not client_mode:
         check_ports_free(network.host_maddrs)
     validators = [RSASignatureValidator(identity.private_key)]
     validators += [schema_validator(keys) for keys in run_keys]
-    validators += [lifetime_validator(keys) for keys in run_keys]
+    validators += [rules_validator(keys) for keys in run_keys]
     kwargs = dict(
         initial_peers=list(network.initial_peers),
         host_maddrs=list(network.host_maddrs),

@@ -269,19 +269,31 @@ def schema_validator(keys: SwarmKeys):
     return SchemaValidator(schema, allow_extra_keys=True)
 
 
-def lifetime_validator(keys: SwarmKeys):
-    """A hivemind record validator that refuses records of the run's keys stored to expire more than
-    ``MAX_RECORD_TTL`` (+ ``CLOCK_SKEW``) from now: a peer that leaves cannot leave a record behind for long."""
+def rules_validator(keys: SwarmKeys):
+    """A hivemind record validator for the run's keys, run *before* the signature check (a higher priority
+    than ``RSASignatureValidator``'s 10), so that what it refuses costs no RSA verification: subkeys other
+    than exactly their owner's key marker (``OWNER_SUBKEY_RE``: a flood from one key) and records stored to
+    expire more than ``MAX_RECORD_TTL`` (+ ``CLOCK_SKEW``) from now (a record meant to outlive its writer)."""
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import RecordValidatorBase
-    from hivemind.utils import get_dht_time
+    from hivemind.utils import MSGPackSerializer, get_dht_time
 
     key_ids = frozenset(DHTID.generate(source=key).to_bytes() for key in keys.all_keys().values())
 
-    class LifetimeValidator(RecordValidatorBase):
+    class RulesValidator(RecordValidatorBase):
         def validate(self, record) -> bool:
             if record.key not in key_ids:
                 return True
-            return record.expiration_time <= get_dht_time() + MAX_RECORD_TTL + CLOCK_SKEW
+            if record.expiration_time > get_dht_time() + MAX_RECORD_TTL + CLOCK_SKEW:
+                return False
+            try:
+                subkey = MSGPackSerializer.loads(record.subkey)
+            except Exception:
+                return False
+            return is_owner_subkey(subkey)
 
-    return LifetimeValidator()
+        @property
+        def priority(self) -> int:
+            return 20
+
+    return RulesValidator()
