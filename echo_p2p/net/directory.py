@@ -20,8 +20,6 @@ from typing import Generic, TypeVar
 from echo_p2p.net.identity import Identity, peer_id_from_owner_key
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import (
-    CLOCK_SKEW,
-    MAX_RECORD_TTL,
     BanRecord,
     OtherProtocolError,
     PeerRecord,
@@ -30,7 +28,7 @@ from echo_p2p.net.records import (
     RecordError,
     SignedRunRecord,
     WireRecord,
-    is_owner_subkey,
+    rule_violation,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,11 +133,9 @@ class SwarmDirectory:
         for subkey, item in found.value.items():
             if item.expiration_time < now:
                 continue
-            if not is_owner_subkey(subkey):
-                self.rejected["bad_subkey"] += 1  # one key, many subkeys: a flood (records.OWNER_SUBKEY_RE)
-                continue
-            if item.expiration_time > now + MAX_RECORD_TTL + CLOCK_SKEW:
-                self.rejected["expiry_too_far"] += 1  # a record meant to outlive its writer
+            violation = rule_violation(subkey, item.expiration_time, now)
+            if violation is not None:
+                self.rejected[violation] += 1
                 continue
             record = self._parse(subkey, item.value, cls)
             if record is not None:

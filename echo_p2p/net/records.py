@@ -40,6 +40,16 @@ def is_owner_subkey(subkey: object) -> bool:
     return isinstance(subkey, bytes) and OWNER_SUBKEY_RE.match(subkey) is not None
 
 
+def rule_violation(subkey: object, expiration_time: float, now: float) -> str | None:
+    """Why a directory record breaks the run's rules (``bad_subkey``, ``expiry_too_far``), or None. Nodes
+    refuse such records at store time (``rules_validator``), readers drop them (``SwarmDirectory``)."""
+    if not is_owner_subkey(subkey):
+        return "bad_subkey"  # one key, many subkeys: a flood
+    if expiration_time > now + MAX_RECORD_TTL + CLOCK_SKEW:
+        return "expiry_too_far"  # a record meant to outlive its writer
+    return None
+
+
 def _check_digests(value: list[str]) -> list[str]:
     for digest in value:
         if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
@@ -284,13 +294,11 @@ def rules_validator(keys: SwarmKeys):
         def validate(self, record) -> bool:
             if record.key not in key_ids:
                 return True
-            if record.expiration_time > get_dht_time() + MAX_RECORD_TTL + CLOCK_SKEW:
-                return False
             try:
                 subkey = MSGPackSerializer.loads(record.subkey)
             except Exception:
                 return False
-            return is_owner_subkey(subkey)
+            return rule_violation(subkey, record.expiration_time, get_dht_time()) is None
 
         @property
         def priority(self) -> int:

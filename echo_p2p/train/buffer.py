@@ -278,10 +278,10 @@ class ReplayBuffer:
             heapq.heapify(self._heap)
             return len(dropped)
 
-    def biggest_sender(self) -> int:
-        """Entries of the sender holding the most."""
+    def can_make_room_for(self, sender: str, share: int) -> bool:
+        """Whether ``add(..., sender_share=share)`` of a group of ``sender`` would make room in a full buffer."""
         with self._cond:
-            return max(self._per_sender.values(), default=0)
+            return self._victim_of(sender, share) is not None
 
     def held_by(self, sender: str) -> int:
         """Groups in the buffer that ``sender`` sampled (``group.sampler_peer_id``, set by the ingest)."""
@@ -321,11 +321,17 @@ class ReplayBuffer:
         if self._per_sender[sender] == 0:
             del self._per_sender[sender]
 
-    def _make_room_for(self, sender: str, share: int) -> None:
+    def _victim_of(self, sender: str, share: int) -> str | None:
+        """The sender that a full buffer evicts from to make room for ``sender``, if any: ``sender`` holds
+        less than ``share`` and the sender holding the most holds more."""
         if self._per_sender.get(sender, 0) >= share or not self._per_sender:
-            return
+            return None
         biggest, held = max(self._per_sender.items(), key=lambda kv: kv[1])
-        if held <= share:
+        return biggest if held > share else None
+
+    def _make_room_for(self, sender: str, share: int) -> None:
+        biggest = self._victim_of(sender, share)
+        if biggest is None:
             return
         victim = min(e for e in self._heap if e.scored.group.sampler_peer_id == biggest)
         self._heap.remove(victim)

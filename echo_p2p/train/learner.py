@@ -164,6 +164,7 @@ class Learner:
         total_loss = 0.0
         parts: list[dict[str, float]] = []
         gaps: dict[int, tuple[float, float]] = {}  # group index -> (sum of |log-prob gaps|, tokens)
+        excluded = 0  # completions left out of the loss for their log-prob gap
         with self.policy_weights():
             for mb in micro:
                 mb = mb.to(device)
@@ -172,7 +173,7 @@ class Learner:
                 logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
                 del logits
                 completion_mask = self._check_behaviour(logp, mb, gaps)
-                excluded = float((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
+                excluded += int((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
                 ref_logp = None
                 if self.ref_model is not None:
                     with torch.no_grad():
@@ -196,7 +197,7 @@ class Learner:
                 if loss.requires_grad:
                     loss.backward()
                 total_loss += float(loss.detach())
-                parts.append({**mb_stats, "excluded_sequences": excluded})
+                parts.append(mb_stats)
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = 0.0
@@ -223,7 +224,7 @@ class Learner:
             frac_zero_adv_groups=_frac_zero_adv_groups(batch, len(groups)),
             compute_s=time.perf_counter() - t0,
             nonfinite=float(nonfinite),
-            excluded_sequences=float(sum(p.get("excluded_sequences", 0.0) for p in parts)),
+            excluded_sequences=float(excluded),
         )
         self.last_group_gaps = [
             g / max(n, 1.0) for g, n in (gaps.get(i, (0.0, 0.0)) for i in range(len(groups)))

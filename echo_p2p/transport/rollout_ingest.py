@@ -282,7 +282,11 @@ class RolloutIngestServicer(ServicerBase):
                     "these completions were accepted already",
                 )
         share = self._sender_share(sender)
-        if config.refuse_when_full and self.buffer.free_room() <= 0 and not self._room_for(sender, share):
+        if (
+            config.refuse_when_full
+            and self.buffer.free_room() <= 0
+            and not self.buffer.can_make_room_for(sender, share)
+        ):
             return Status.REJECTED, Reason.BUFFER_FULL.value, "no room in the replay buffer"
         try:
             result = self.validate(group)
@@ -329,15 +333,6 @@ class RolloutIngestServicer(ServicerBase):
             active = len(self._active) + (sender not in self._active)
         capacity = getattr(self.buffer, "capacity", 0)
         return max(self.config.min_sender_share, capacity // (active + 1))
-
-    def _room_for(self, sender: str, share: int) -> bool:
-        """Whether a full buffer would make room for ``sender``: it holds less than its share and another
-        sender holds more than its own (``ReplayBuffer.add`` with ``sender_share``)."""
-        held_by = getattr(self.buffer, "held_by", None)
-        biggest = getattr(self.buffer, "biggest_sender", None)
-        if held_by is None or biggest is None or held_by(sender) >= share:
-            return False
-        return biggest() > share
 
     def _count_refusal(self, sender: str, reason: str) -> None:
         """A push refused as a whole (rate, frame): counted once per push, like a group reason."""

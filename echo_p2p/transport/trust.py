@@ -123,19 +123,6 @@ class RunTrust:
         record = self.record
         return record is not None and record.expires_at > time.time() and peer_id in record.trainers
 
-    def trainers(self) -> frozenset[str] | None:
-        """The trusted peer ids now (None: everyone, unconfigured)."""
-        if self.fixed is not None:
-            return self.fixed.peer_ids
-        if self.owner is None:
-            return None
-        record = self.record
-        return (
-            frozenset(record.trainers)
-            if record is not None and record.expires_at > time.time()
-            else frozenset()
-        )
-
     def update(self, signed: Iterable, now: float | None = None) -> bool:
         """Apply the newest valid record among ``signed`` (``SignedRunRecord``s) if it is newer than the one in
         force; True when the trusted set changed."""
