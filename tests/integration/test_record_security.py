@@ -104,14 +104,7 @@ def test_malformed_record_is_refused_by_honest_nodes_and_never_crashes_a_reader(
     keys, honest, started = swarm
     boot, _, _ = honest()
     _, _, reader_dir = honest(maddrs(boot))
-    rogue_ident = load_or_create_identity(None)
-    rogue = hivemind.DHT(
-        start=True,
-        host_maddrs=LOOP,
-        initial_peers=maddrs(boot),
-        record_validators=[RSASignatureValidator(rogue_ident.private_key)],
-    )
-    started.append((rogue, rogue_ident))
+    rogue, rogue_ident = rogue_node(boot, started)
     bad = {"protocol": 1, "peer_id": rogue_ident.peer_id, "role": "emperor", "policy_version": "many"}
     rogue.store(keys.peers, bad, get_dht_time() + 60, subkey=rogue_ident.owner_key)
     rogue.store(keys.peers, b"\xff not even a map", get_dht_time() + 60, subkey=rogue_ident.owner_key)
