@@ -270,9 +270,13 @@ class TrainerPeer(BasePeer):
     def _train(self, batch: list) -> None:
         t0 = time.monotonic()
         version_before = self.policy_version or 0
-        result = self._stepper(batch)
+        allowances = self.guard.allowances(batch, version_before)
+        result = self._stepper(batch, gap_allowance=allowances)
+        drift = self.learner.measure_drift() if result.advanced else None
+        if result.advanced:
+            self.guard.drift.record(result.version_before, result.version, drift)
         self.update_seconds += time.monotonic() - t0
-        self.guard.judge(batch, self.learner.last_group_gaps)
+        self.guard.judge(batch, self.learner.last_group_gaps, allowances)
         if result.skipped:
             self.skipped_batches += 1
             logger.warning(
@@ -296,6 +300,7 @@ class TrainerPeer(BasePeer):
             "clip_frac": round(float(result.stats.get("clip_frac", 0.0)), 4),
             "logprob_gap_max": round(float(result.stats.get("logprob_gap_max", 0.0)), 4),
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
+            "policy_drift": None if drift is None else round(drift, 4),
             "step_update_s": round(time.monotonic() - t0, 4),
         }
         if result.advanced and not params_finite(self.model):
@@ -325,6 +330,7 @@ class TrainerPeer(BasePeer):
             self.stop_event.set()
             return
         self.policy_version = self._stepper.version
+        self.guard.drift.reset()
         if self.buffer is not None:
             self.buffer.drop_stale(self.policy_version)
         logger.warning("%s reloaded version %d from %s", self.prefix(), self.policy_version, source)

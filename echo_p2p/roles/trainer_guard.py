@@ -2,7 +2,8 @@
 
 Owned here: ``SenderGuard``, which the trainer peer feeds after every step with the groups it trained on
 and the learner's per-group log-prob gaps (``Learner.last_group_gaps``; completions above the gap were
-already left out of the loss). Repeat offenders are banned (``train.reputation``): the ingest refuses their
+already left out of the loss), each allowed as much more as the trainer's own policy moved since the
+group's version (``train.drift``: the trainer records every update's measured movement in ``drift``). Repeat offenders are banned (``train.reputation``): the ingest refuses their
 pushes before reading them and their groups leave the buffer. The guard publishes this trainer's bans on
 the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
 trainers shares none: anyone could ban an honest peer). Every DHT call is bounded by the directory.
@@ -15,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from echo_p2p.net.records import Ban, BanRecord
+from echo_p2p.train.drift import PolicyDrift
 from echo_p2p.train.reputation import Reputation, ReputationConfig
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 class SenderGuard:
     def __init__(self, config: ReputationConfig, peer_id: str, buffer=None, trust=None) -> None:
         self.reputation = Reputation(config)
+        self.drift = PolicyDrift()  # how far this trainer's policy moved: the trainer records each update
         self.peer_id = peer_id
         self.buffer = buffer
         self.trust = trust
@@ -32,21 +35,43 @@ class SenderGuard:
     def is_banned(self, sender: str) -> bool:
         return self.reputation.is_banned(sender)
 
-    def judge(self, groups, gaps: list[float]) -> list[str]:
-        """Record each trained group's gap against its sender; returns the senders banned by it."""
+    def allowances(self, groups, version: int) -> list[float | None]:
+        """Per group: how far this trainer's policy moved since the group's version (``PolicyDrift.since``),
+        the allowance on top of the gap limits; None where that is unknown."""
+        return [self.drift.since(scored.policy_version, version) for scored in groups]
+
+    def judge(self, groups, gaps: list[float], allowances: list[float | None]) -> list[str]:
+        """Record each trained group's gap against its sender (a group whose allowance is unknown is not
+        judged); returns the senders banned by it."""
         banned = []
-        for scored, gap in zip(groups, gaps, strict=False):
+        limit = self.reputation.config.max_logprob_gap
+        worst: dict[str, tuple[int, float, float]] = {}  # sender -> (strikes in this batch, gap, allowance)
+        for scored, gap, allowance in zip(groups, gaps, allowances, strict=False):
             sender = scored.group.sampler_peer_id
-            if self.reputation.record(sender, gap):
+            if allowance is None:
+                self.counters["groups_unjudged"] += 1
+                continue
+            if limit is not None and gap > limit + allowance:
+                count, top, top_allowance = worst.get(sender, (0, 0.0, 0.0))
+                worst[sender] = (count + 1, *((gap, allowance) if gap > top else (top, top_allowance)))
+            if self.reputation.record(sender, gap, allowance):
                 banned.append(sender)
                 self._drop(sender, "banned")
                 logger.warning(
-                    "banned %s: behaviour log-probs off by %.2f nats per token (limit %.2f), %d times",
+                    "banned %s: behaviour log-probs off by up to %.2f nats per token on most of its groups",
                     sender,
                     gap,
-                    self.reputation.config.max_logprob_gap,
-                    self.reputation.config.strikes,
                 )
+        for sender, (count, gap, allowance) in worst.items():
+            logger.info(
+                "%d strike(s) against %s: behaviour log-probs off by up to %.2f nats per token (limit %.2f, "
+                "plus %.2f the policy moved since the group's version)",
+                count,
+                sender,
+                gap,
+                limit,
+                allowance,
+            )
         return banned
 
     def share(self, directory, ttl: float) -> None:

@@ -53,8 +53,16 @@ class GRPOConfig(BaseModel):
         default=None,
         gt=0,
         description="Completions whose behaviour log-probs differ from this policy's by more than this many "
-        "nats per token on average are left out of the loss (a sampler that lies about them); None: all are "
-        "used. Trainer peers set it from ``trainer.reputation`` (docs/security.md).",
+        "nats per token on average, on top of the group's allowance for the policy's own movement since it "
+        "was sampled, are left out of the loss (a sampler that lies about them); None: all are used. Trainer "
+        "peers set it from ``trainer.reputation`` (docs/security.md).",
+    )
+    drift_probe_sequences: int = Field(
+        default=4,
+        ge=0,
+        description="Sequences of each batch re-scored after an update that makes a new version, to measure "
+        "how far the policy moved (``Learner.measure_drift``; ``train.drift``): one small forward pass per "
+        "version. 0: not measured (stale groups are then not judged by their log-prob gap).",
     )
     kl_beta: float = Field(
         default=0.0,

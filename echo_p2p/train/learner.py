@@ -108,6 +108,8 @@ class Learner:
         #: per group of the last ``compute_gradients``: the mean |log-prob gap| per token between the
         #: sampler's behaviour log-probs and this policy, over the group's tokens (``_check_behaviour``)
         self.last_group_gaps: list[float] = []
+        #: a few sequences of the last batch and their log-probs before its update (``measure_drift``)
+        self._probe: tuple[Any, ...] | None = None
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -141,7 +143,12 @@ class Learner:
             groups, pad_token_id=cfg.pad_token_id, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps
         )
 
-    def compute_gradients(self, groups: Sequence[ScoredGroup], zero_grad: bool = True) -> dict[str, float]:
+    def compute_gradients(
+        self,
+        groups: Sequence[ScoredGroup],
+        zero_grad: bool = True,
+        gap_allowance: Sequence[float | None] | None = None,
+    ) -> dict[str, float]:
         """Accumulate the GRPO gradient of ``groups`` into the model's ``.grad`` and clip its norm.
 
         Each micro-batch loss is divided by the full batch's normaliser (its completion-token count for
@@ -151,6 +158,10 @@ class Learner:
         Returns stats: ``loss``, ``grad_norm`` (before clipping), reward and advantage summaries and the
         token-weighted means of ``grpo_loss``'s stats. A non-finite loss or gradient norm leaves zero gradients
         (every ``.grad`` zeroed) and ``nonfinite`` = 1: the caller must not step.
+
+        ``gap_allowance`` (one per group): how far the policy moved since the group was sampled
+        (``train.drift``), added to ``max_logprob_gap`` for its completions; None for a group: unknown, none
+        of its completions is left out.
         """
         cfg = self.config
         t0 = time.perf_counter()
@@ -165,6 +176,8 @@ class Learner:
         parts: list[dict[str, float]] = []
         gaps: dict[int, tuple[float, float]] = {}  # group index -> (sum of |log-prob gaps|, tokens)
         excluded = 0  # completions left out of the loss for their log-prob gap
+        allowance = _allowance_tensor(gap_allowance, len(groups))
+        self._probe = None
         with self.policy_weights():
             for mb in micro:
                 mb = mb.to(device)
@@ -172,7 +185,21 @@ class Learner:
                 logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
                 logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
                 del logits
-                completion_mask = self._check_behaviour(logp, mb, gaps)
+                if self._probe is None and cfg.drift_probe_sequences > 0:
+                    # rows spread over the micro-batch (several groups); copies: a view would keep the
+                    # whole micro-batch alive
+                    rows = torch.arange(0, mb.input_ids.shape[0], device=device)
+                    rows = rows[:: max(1, len(rows) // cfg.drift_probe_sequences)][
+                        : cfg.drift_probe_sequences
+                    ]
+                    self._probe = (
+                        mb.input_ids[rows],
+                        mb.attention_mask[rows],
+                        mb.completion_mask[rows],
+                        logp.detach()[rows],
+                        keep,
+                    )
+                completion_mask = self._check_behaviour(logp, mb, gaps, allowance)
                 excluded += int((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
                 ref_logp = None
                 if self.ref_model is not None:
@@ -233,12 +260,16 @@ class Learner:
         return stats
 
     def _check_behaviour(
-        self, logp: torch.Tensor, mb: Batch, gaps: dict[int, tuple[float, float]]
+        self,
+        logp: torch.Tensor,
+        mb: Batch,
+        gaps: dict[int, tuple[float, float]],
+        allowance: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Score the sampler's behaviour log-probs against this policy's: per group, the sum of absolute
         gaps and the token count (``last_group_gaps`` is their ratio, a mean over every token of the group);
-        a completion whose own mean gap is above ``max_logprob_gap`` is left out of the loss (the returned
-        completion mask has it zeroed)."""
+        a completion whose own mean gap is above ``max_logprob_gap`` plus its group's ``allowance`` (inf:
+        unknown) is left out of the loss (the returned completion mask has it zeroed)."""
         mask = mb.completion_mask
         with torch.no_grad():
             counts = mask.sum(dim=1)
@@ -249,8 +280,27 @@ class Learner:
             limit = self.config.max_logprob_gap
             if limit is None:
                 return mask
-            keep = (sums <= limit * counts.clamp(min=1)).to(mask.dtype)
+            bound = limit if allowance is None else limit + allowance[mb.group_index.cpu()].to(sums.device)
+            keep = (sums <= bound * counts.clamp(min=1)).to(mask.dtype)
         return mask * keep.unsqueeze(1)
+
+    def measure_drift(self) -> float | None:
+        """How far the last ``compute_gradients`` batch's update moved the policy: the mean |log-prob change|
+        per completion token of its first ``drift_probe_sequences`` sequences, re-scored now (one forward
+        pass, no gradient). Call once the update is applied; None when nothing was kept to measure."""
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return None
+        input_ids, attention_mask, completion_mask, before, keep = probe
+        tokens = float(completion_mask.sum())
+        if tokens <= 0:
+            return None
+        with torch.no_grad(), self.policy_weights():
+            logits = _forward_logits(self.model, input_ids, attention_mask, keep)
+            after = token_logprobs(logits, input_ids, self.config.temperature)
+            del logits
+        change = float(((after - before).abs() * completion_mask).sum()) / tokens
+        return change if math.isfinite(change) else None
 
     def step(
         self, groups: Sequence[ScoredGroup], optimizer: torch.optim.Optimizer | Any, **step_kwargs: Any
@@ -262,6 +312,15 @@ class Learner:
         if not stats["nonfinite"]:
             optimizer.step(**step_kwargs)
         return stats
+
+
+def _allowance_tensor(allowance: Sequence[float | None] | None, num_groups: int) -> torch.Tensor | None:
+    """Per-group allowances as a tensor (None -> inf: a group whose allowance is unknown keeps all)."""
+    if allowance is None:
+        return None
+    if len(allowance) != num_groups:
+        raise ValueError(f"gap_allowance has {len(allowance)} entries for {num_groups} groups")
+    return torch.tensor([math.inf if a is None else float(a) for a in allowance], dtype=torch.float32)
 
 
 def _combine(parts: list[dict[str, float]]) -> dict[str, float]:

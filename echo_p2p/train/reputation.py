@@ -3,10 +3,14 @@
 A trainer recomputes the log-prob of every token it trains on; a sampler reports the log-prob it sampled
 each token with. At the same policy the two agree (to rounding); a stale or quantised sampler differs by a
 little; a sampler that makes them up differs by a lot. ``Reputation`` records, per sender, each group's
-mean |gap| per token (``Learner.last_group_gaps``): a group above ``max_logprob_gap`` is a strike (a
-completion above ``exclude_logprob_gap`` was already left out of the loss), ``strikes`` of them within ``window`` seconds ban the sender for
-``ban_seconds``: its pushes are refused (``banned``) and its groups dropped from the buffer. Bans also arrive
-from the other trainers of the run (their signed ``BanRecord``s): one trainer's finding protects them all.
+mean |gap| per token (``Learner.last_group_gaps``): a group above ``max_logprob_gap`` plus its allowance (how
+far the trainer's own policy moved since the group's version, ``train.drift``) is a strike (a completion
+above ``exclude_logprob_gap`` plus the allowance was already left out of the loss), ``strikes`` of them
+within ``window`` seconds ban the sender for ``ban_seconds`` when they are also at least ``ban_fraction`` of
+its last ``recent_groups`` groups (an update can move a few groups' log-probs, those with rare tokens, far
+more than the measured movement: an honest sampler has the odd strike, a liar has them on most groups):
+its pushes are refused (``banned``) and its groups dropped from the buffer. Bans also arrive from the other
+trainers of the run (their signed ``BanRecord``s): one trainer's finding protects them all.
 
 Owned here: ``ReputationConfig`` and ``Reputation`` (thread-safe, bounded memory). No I/O: the trainer peer
 feeds it and publishes its bans. Must not import torch or hivemind.
@@ -30,8 +34,9 @@ class ReputationConfig(BaseModel):
     max_logprob_gap: float | None = Field(
         default=2.0,
         gt=0,
-        description="Largest mean |behaviour - trainer log-prob| per token (nats) over a group's tokens; "
-        "above it the group is a strike against its sender. Honest fp32, 8-bit and 4-bit samplers up to "
+        description="Largest mean |behaviour - trainer log-prob| per token (nats) over a group's tokens, on "
+        "top of how far the trainer's own policy moved since the group's version (train.drift); above it the "
+        "group is a strike against its sender. Honest fp32, 8-bit and 4-bit samplers up to "
         "max_staleness versions behind stay well below (docs/security.md). None: no strikes.",
     )
     exclude_logprob_gap: float | None = Field(
@@ -40,7 +45,23 @@ class ReputationConfig(BaseModel):
         description="A completion whose own mean gap per token is above this is left out of the loss (the "
         "learner's ``max_logprob_gap``): short honest completions are noisier than groups. None: none.",
     )
-    strikes: int = Field(default=3, ge=1, description="Strikes within ``window`` that ban a sender")
+    strikes: int = Field(
+        default=3,
+        ge=1,
+        description="Strikes within ``window`` that ban a sender, when they are also at least ``ban_fraction`` "
+        "of its last ``recent_groups`` groups",
+    )
+    ban_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Share of a sender's recent groups that must be strikes for a ban: an update can move the "
+        "log-probs of a few groups (rare tokens) far more than the policy's measured movement, so an honest "
+        "sampler has the odd strike; a liar has them on most of its groups",
+    )
+    recent_groups: int = Field(
+        default=20, ge=1, description="A sender's last groups over which ``ban_fraction`` is taken"
+    )
     window: float = Field(default=600.0, gt=0, description="Seconds a strike counts")
     ban_seconds: float = Field(default=1800.0, gt=0, le=86400, description="How long a ban lasts")
     max_tracked: int = Field(default=4096, ge=1, description="Senders remembered (least recent forgotten)")
@@ -48,7 +69,8 @@ class ReputationConfig(BaseModel):
 
 @dataclass
 class _Sender:
-    strikes: deque[float] = field(default_factory=deque)  # monotonic times of recent strikes
+    strikes: deque[float] = field(default_factory=deque)  # wall-clock times of strikes within the window
+    recent: deque[bool] = field(default_factory=deque)  # its last ``recent_groups`` groups: strike or not
     checked: int = 0
     failed: int = 0
 
@@ -64,8 +86,10 @@ class Reputation:
         self.checked = 0
         self.failed = 0
 
-    def record(self, sender: str, gap: float, now: float | None = None) -> bool:
-        """One group of ``sender`` whose largest log-prob gap was ``gap``; True when this bans the sender."""
+    def record(self, sender: str, gap: float, allowance: float = 0.0, now: float | None = None) -> bool:
+        """One group of ``sender`` whose mean log-prob gap per token was ``gap``, judged against
+        ``max_logprob_gap`` plus ``allowance`` (how far the policy itself moved since the group was sampled:
+        ``train.drift``); True when this bans the sender."""
         limit = self.config.max_logprob_gap
         if not sender or limit is None:
             return False
@@ -79,7 +103,11 @@ class Reputation:
             self._senders.move_to_end(sender)
             stats.checked += 1
             self.checked += 1
-            if gap <= limit:
+            strike = gap > limit + allowance
+            stats.recent.append(strike)
+            while len(stats.recent) > self.config.recent_groups:
+                stats.recent.popleft()
+            if not strike:
                 return False
             stats.failed += 1
             self.failed += 1
@@ -88,6 +116,8 @@ class Reputation:
                 stats.strikes.popleft()
             if len(stats.strikes) < self.config.strikes or self._banned_locked(sender, now):
                 return False
+            if sum(stats.recent) < self.config.ban_fraction * len(stats.recent):
+                return False  # the odd outlier among mostly honest groups
             self._bans[sender] = (now + self.config.ban_seconds, "logprob_gap")
             return True
 

@@ -366,12 +366,15 @@ class CollabTrainerStep:
             return len(groups)
         return sum(len(g.group.completions) for g in groups)
 
-    def __call__(self, groups: Sequence[ScoredGroup]) -> CollabStepResult:
+    def __call__(
+        self, groups: Sequence[ScoredGroup], gap_allowance: Sequence[float | None] | None = None
+    ) -> CollabStepResult:
+        """One step on ``groups`` (``gap_allowance``: per group, see ``Learner.compute_gradients``)."""
         if not groups:
             raise ValueError("a collaborative step needs at least one group")
         before = self.version
         t0 = time.perf_counter()
-        stats = self.learner.compute_gradients(groups, zero_grad=self._zero_grad)
+        stats = self.learner.compute_gradients(groups, zero_grad=self._zero_grad, gap_allowance=gap_allowance)
         t1 = time.perf_counter()
         batch_size = self.batch_size_of(groups)
         if stats.get("nonfinite"):

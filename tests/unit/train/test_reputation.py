@@ -30,6 +30,32 @@ def test_strikes_within_the_window_ban_a_sender_for_a_while():
     assert not rep.record("honest", 1.9, now=0) and rep.sender_stats("honest") == (1, 0)
 
 
+def test_the_odd_strike_among_honest_groups_bans_no_one_but_mostly_strikes_do():
+    rep = Reputation(ReputationConfig(max_logprob_gap=2.0, strikes=3, ban_fraction=0.5, recent_groups=20))
+    # an honest sampler: an update moved a few of its groups' rare tokens by more than the policy moved
+    gaps = [0.05] * 17 + [3.0, 0.1, 3.5, 0.02, 2.8, 0.1, 0.1, 4.0]
+    assert not any(rep.record("honest", g, now=i) for i, g in enumerate(gaps))
+    assert rep.sender_stats("honest") == (25, 4) and not rep.is_banned("honest", now=30)
+    # a liar that tells the truth on every other group still has strikes on half of them
+    assert [rep.record("half", g, now=i) for i, g in enumerate([0.0, 9.0] * 3)] == [False] * 5 + [True]
+    # the allowance for the policy's own movement raises the bound by as much
+    assert not any(rep.record("stale", 5.0, allowance=3.5, now=i) for i in range(10))
+    assert rep.sender_stats("stale") == (10, 0)
+    assert rep.record("stale", 5.0, allowance=2.9, now=11) is False and rep.sender_stats("stale") == (11, 1)
+
+
+def test_guard_judges_only_groups_whose_allowance_is_known():
+    guard = SenderGuard(ReputationConfig(strikes=1, ban_fraction=0.01), T1)
+    guard.drift.record(1, 2, 0.5)
+    groups = [scored("old", 1), scored("old", 2)]
+    groups[0].group.policy_version = 1
+    groups[1].group.policy_version = 0  # sampled before this trainer measured anything: unknown
+    assert guard.allowances(groups, 2) == [0.5, None]
+    assert guard.judge(groups[1:], [30.0], [None]) == [] and guard.stats()["groups_unjudged"] == 1
+    assert guard.judge(groups[:1], [2.4], [0.5]) == []  # within 2 + 0.5
+    assert guard.judge(groups[:1], [2.6], [0.5]) == ["old"]
+
+
 def test_shared_bans_are_capped_and_expire():
     rep = Reputation(ReputationConfig(ban_seconds=100))
     assert rep.ban("x", until=1e12, reason="logprob_gap", now=0)  # capped at ban_seconds
@@ -74,7 +100,7 @@ def test_guard_bans_drops_the_senders_groups_publishes_and_adopts_only_trusted_b
     trust = RunTrust(fixed=TrustedTrainers.from_keys([T1, T2]))
     guard = SenderGuard(ReputationConfig(strikes=2), T1, buffer, trust)
     groups = [scored("liar", 10), scored("liar", 11), scored("honest", 12)]
-    assert guard.judge(groups, [30.0, 25.0, 0.2]) == ["liar"]
+    assert guard.judge(groups, [30.0, 25.0, 0.2], [0.0, 0.0, 0.0]) == ["liar"]
     assert guard.is_banned("liar") and not guard.is_banned("honest")
     assert buffer.held_by("liar") == 0 and buffer.held_by("honest") == 1 and len(buffer) == 1
 
