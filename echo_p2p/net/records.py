@@ -60,7 +60,7 @@ def _check_digests(value: list[str]) -> list[str]:
 class WireRecord(BaseModel):
     """Base of every DHT record: a protocol version, unknown fields ignored."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)  # no inf/NaN from a stranger
 
     protocol: int = Field(default=PROTOCOL_VERSION, description="Protocol version of the record's writer")
 
@@ -161,7 +161,7 @@ class ProviderRecord(WireRecord):
 class ManifestRef(BaseModel):
     """A pointer to one signed manifest of a publisher's stream (the manifest itself travels by RPC)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)  # no inf/NaN from a stranger
 
     version: int = Field(ge=0, description="Policy version the manifest encodes")
     base_version: int | None = Field(
@@ -217,7 +217,7 @@ class SignedRunRecord(WireRecord):
 class Ban(BaseModel):
     """One banned peer in a ``BanRecord``."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)  # no inf/NaN from a stranger
 
     peer_id: str = Field(max_length=128, description="The banned peer")
     until: float = Field(description="Wall-clock end of the ban (receivers cap it at their own ban length)")

@@ -51,7 +51,7 @@ EXPIRED = "expired"
 class RunRecord(BaseModel):
     """What the run owner signs."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)  # no inf/NaN from a stranger
 
     run_id: str = Field(max_length=64, description="The run this record declares")
     owner_key: str = Field(max_length=2048, description="The owner's OpenSSH RSA public key (ssh-rsa ...)")

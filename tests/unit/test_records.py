@@ -45,6 +45,9 @@ def test_other_protocol_version_is_a_distinct_error():
         {"protocol": 1, "role": "trainer", "peer_id": "QmX", "policy_version": -1},
         {"protocol": 1, "role": "trainer", "peer_id": "QmX", "maddrs": ["a"] * 100},
         {"protocol": 1, "role": "trainer", "peer_id": "x" * 1000},
+        {"protocol": 1, "role": "inference", "peer_id": "QmX", "tokens_per_second": float("inf")},
+        {"protocol": 1, "role": "inference", "peer_id": "QmX", "rollouts_per_second": float("nan")},
+        {"protocol": 1, "role": "trainer", "peer_id": "QmX", "updated_at": float("nan")},
     ],
 )
 def test_malformed_records_raise_record_error(value):
