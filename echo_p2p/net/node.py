@@ -90,6 +90,7 @@ def start_dht(
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = list(network.announce_maddrs)
     dht = hivemind.DHT(**kwargs)
+    _guard_pipes(dht)
     dht.start()
     try:
         dht.wait_until_ready(timeout=network.startup_timeout)
@@ -103,6 +104,52 @@ def start_dht(
         _kill(dht)
         raise NodeStartError(_explain_start_error(exc, network)) from None
     return dht
+
+
+class _LockedSender:
+    """The sending end of the DHT's command pipe, one whole message at a time across threads *and* forked
+    processes (hivemind's averagers are forked children that send on the same pipe): a message above the
+    pipe's atomic size is written in pieces, and two writers interleaving them corrupt the stream."""
+
+    def __init__(self, conn) -> None:
+        import multiprocessing as mp
+
+        self._conn = conn
+        self._lock = mp.get_context("fork").Lock()  # a semaphore shared with forked children
+
+    def send(self, obj) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+class _WholeMessageReceiver:
+    """The receiving end in the DHT's child: its event loop watches the pipe with libuv, which makes the
+    descriptor non-blocking, so a ``recv`` that starts before the sender has written the whole message
+    fails half-way (EAGAIN, which hivemind logs and skips) and leaves the rest of the message in the
+    pipe, to be read as the start of the next one. Receiving in blocking mode reads whole messages."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+
+    def recv(self):
+        import os
+
+        os.set_blocking(self._conn.fileno(), True)
+        return self._conn.recv()
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def _guard_pipes(dht) -> None:
+    """Make a not-yet-started ``hivemind.DHT``'s command pipe safe for concurrent senders (hivemind 1.1's
+    pipe is not: under several threads storing large records, the DHT child died with an
+    ``UnpicklingError`` or ``EOFError`` and every later DHT call of the peer waited forever)."""
+    dht._outer_pipe = _LockedSender(dht._outer_pipe)
+    dht._inner_pipe = _WholeMessageReceiver(dht._inner_pipe)
 
 
 def _explain_start_error(exc: Exception, network: NetworkConfig) -> str:
