@@ -92,13 +92,13 @@ class BootstrapPeer:
         from echo_p2p.monitor.server import MonitorServer
         from echo_p2p.net.directory import SwarmDirectory
         from echo_p2p.net.keys import SwarmKeys
-        from echo_p2p.net.node import neighbour_counts
         from echo_p2p.transport.trust import RunTrust
 
         record = self._run_record[2] if self._run_record is not None else None
         trust = RunTrust(owner=record.owner_peer_id(), run_id=run_id) if record is not None else RunTrust()
         directory = SwarmDirectory(self.dht, SwarmKeys(run_id), self.identity)
-        poller = Poller(directory, run_id, trust, self.monitor_config, lambda: neighbour_counts(self.dht)[1])
+        # no connection count: a bootstrap's node holds the records itself, alone or not
+        poller = Poller(directory, run_id, trust, self.monitor_config)
         server = MonitorServer(poller.start(), self.monitor_config)
         self._monitor = (server, poller)
         try:

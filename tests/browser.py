@@ -129,19 +129,26 @@ class Browser:
         await self.send("Page.navigate", {"url": url})
 
     async def evaluate(self, expression: str) -> Any:
-        result = await self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True})
+        result = await self.send(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True}
+        )
         if "exceptionDetails" in result:
             raise RuntimeError(f"evaluating {expression[:60]!r}: {result['exceptionDetails'].get('text')}")
         return result["result"].get("value")
 
     async def wait_for(self, expression: str, timeout: float, what: str) -> Any:
-        """Poll ``expression`` in the page until it is truthy; its value, or AssertionError at the deadline."""
+        """Poll ``expression`` in the page until it is truthy; its value, or AssertionError at the deadline.
+        An expression that throws (the page is still loading: no ``document.body`` yet) counts as not yet."""
         deadline = time.monotonic() + timeout
-        value = None
+        value: Any = None
         while time.monotonic() < deadline:
-            value = await self.evaluate(expression)
-            if value:
-                return value
+            try:
+                value = await self.evaluate(expression)
+            except RuntimeError as exc:
+                value = exc
+            else:
+                if value:
+                    return value
             await asyncio.sleep(0.5)
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
 

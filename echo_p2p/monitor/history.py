@@ -3,7 +3,8 @@
 Owned here: ``Tracker``. ``observe(status)`` appends one sample (time, newest version, reward, rollouts
 consumed, peers) to a ring of ``history_size`` samples and returns the ``alerts.Timers`` of this read: since
 when the newest version has been the newest, and since when each trainer has had an empty buffer without
-consuming anything. ``since(t)`` serves ``/api/history``; ``versions_per_minute`` the run header. It
+consuming anything. ``newest_at(t)`` is the newest version seen by time ``t`` (peers' lag is measured
+against it); ``since(t)`` serves ``/api/history``; ``versions_per_minute`` the run header. It
 remembers at most one timer per trainer listed in the status (bounded by ``MonitorConfig.max_peers``).
 Thread-safe: the poller writes, the web server reads. Callers: ``monitor.status``, ``monitor.poller``.
 """
@@ -25,6 +26,9 @@ class Tracker:
     def __init__(self, config: MonitorConfig | None = None):
         self.config = config or MonitorConfig()
         self.samples: deque[dict[str, Any]] = deque(maxlen=self.config.history_size)
+        self._seen: deque[int | None] = deque(
+            maxlen=self.config.history_size
+        )  # newest version by each sample
         self.watching_since: float | None = None
         self._version: int | None = None
         self._version_since: float | None = None
@@ -41,6 +45,7 @@ class Tracker:
             if newest is not None and (self._version is None or newest > self._version):
                 self._version, self._version_since = newest, now
             self._update_starved(status, now)
+            self._seen.append(self._version)
             self.samples.append(
                 {
                     "time": now,
@@ -87,6 +92,15 @@ class Tracker:
         if first is None or t1 - first[0] < 10.0:
             return None
         return round(max(0, v1 - first[1]) * 60.0 / (t1 - first[0]), 2)
+
+    def newest_at(self, t: float) -> int | None:
+        """The newest policy version seen by time ``t``; None when no sample is that old. Looks back from the
+        newest sample, so it costs the number of reads since ``t`` (a record is at most minutes old)."""
+        with self._lock:
+            for i in range(len(self.samples) - 1, -1, -1):
+                if self.samples[i]["time"] <= t:
+                    return self._seen[i]
+        return None
 
     def since(self, after: float, limit: int) -> list[dict[str, Any]]:
         """The samples newer than ``after`` (the newest ``limit`` of them), oldest first."""

@@ -99,7 +99,7 @@ def _trusted(trust, role: str, peer_id: str) -> bool | None:
 
 
 def peer_rows(entries, now: float, trust=None, newest: int | None = None) -> list[dict[str, Any]]:
-    """One row per peer (trainers first, then by peer id); ``lag`` is versions behind ``newest``."""
+    """One row per peer (trainers first, then by peer id); ``lag`` is versions behind ``newest`` (now)."""
     rows = []
     for entry in entries:
         r = entry.record
@@ -198,8 +198,20 @@ def build_status(snap: Snapshot, config: MonitorConfig | None = None, tracker=No
     if tracker is not None:
         timers = tracker.observe(status)
         status["summary"]["versions_per_minute"] = tracker.versions_per_minute()
+        _align_lags(status["peers"], now, tracker)
     status["alerts"] = evaluate(status, config, timers)
     return status
+
+
+def _align_lags(rows: list[dict[str, Any]], now: float, tracker) -> None:
+    """Lag behind the newest version *when the peer announced itself*: a record is up to a heartbeat old,
+    and a fast run moves several versions in a heartbeat. ``tracker.newest_at`` gives the newest version the
+    monitor had seen by then (a lower bound: the lag is never overstated); None when it was not watching yet."""
+    for row in rows:
+        if row["policy_version"] is None or row["last_seen_s"] is None:
+            continue
+        newest = tracker.newest_at(now - row["last_seen_s"])
+        row["lag"] = None if newest is None else max(0, newest - row["policy_version"])
 
 
 def _run_header(trust, running: list[dict[str, Any]]) -> dict[str, Any]:

@@ -122,8 +122,9 @@
     return e;
   }
 
-  // A line chart of [t, y] points (t in seconds) into an <svg viewBox="0 0 600 220">.
-  function drawChart(svg, points, lineClass, digits) {
+  // A line chart of [t, y] points (t in seconds) into an <svg viewBox="0 0 600 220">; the y range covers
+  // the data and [lo, hi] (null: the data's own).
+  function drawChart(svg, points, lineClass, digits, lo, hi) {
     svg.replaceChildren();
     const W = 600, H = 220, L = 52, R = 12, T = 10, B = 28;
     const pts = points.filter((p) => typeof p[1] === "number" && isFinite(p[1]));
@@ -133,8 +134,8 @@
       svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no data yet"));
       return;
     }
-    let ymin = Math.min(...pts.map((p) => p[1]));
-    let ymax = Math.max(...pts.map((p) => p[1]));
+    let ymin = Math.min(...pts.map((p) => p[1]), lo === null ? Infinity : lo);
+    let ymax = Math.max(...pts.map((p) => p[1]), hi === null ? -Infinity : hi);
     if (ymax - ymin < 1e-9) { ymin -= 0.5; ymax += 0.5; }
     const t0 = pts[0][0], t1 = Math.max(pts[pts.length - 1][0], t0 + 1);
     const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
@@ -149,11 +150,13 @@
     svg.appendChild(svgEl("text", { x: W - R, y: H - 8, "text-anchor": "end" }, "now"));
     const d = pts.map((p) => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" ");
     svg.appendChild(svgEl("polyline", { class: "line " + lineClass, points: d }));
+    const last = pts[pts.length - 1];
+    svg.appendChild(svgEl("circle", { class: "dot " + lineClass, cx: x(last[0]), cy: y(last[1]), r: 3 }));
   }
 
   function renderCharts() {
-    drawChart(byId("chart-reward"), samples.map((s) => [s.time, s.reward]), "reward", 2);
-    drawChart(byId("chart-consumed"), samples.map((s) => [s.time, s.rollouts_consumed]), "consumed", 0);
+    drawChart(byId("chart-reward"), samples.map((s) => [s.time, s.reward]), "reward", 2, 0, 1);
+    drawChart(byId("chart-consumed"), samples.map((s) => [s.time, s.rollouts_consumed]), "consumed", 0, 0, null);
   }
 
   async function getJson(url) {

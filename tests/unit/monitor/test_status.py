@@ -173,3 +173,34 @@ def test_a_tracker_fills_versions_per_minute_and_the_timed_alerts():
     assert s["summary"]["versions_per_minute"] == 3 * 60 / 60
     assert [a["code"] for a in s["alerts"]] == ["version_stalled"]
     assert "30 s" in s["alerts"][0]["message"]
+
+
+def test_with_a_tracker_lag_is_measured_against_the_newest_version_when_the_peer_announced():
+    """A fast run moves several versions within one heartbeat: a peer that announced version 10 two seconds
+    ago, when 11 was the newest, lags 1, not the 15 that comparing with now (25) would say."""
+    tracker = Tracker(MonitorConfig(default_max_staleness=4))
+    t0 = time.time()
+    for i, version in enumerate((5, 11, 18)):
+        build_status(Snapshot("r", t0 + 2 * i, peers=[trainer(policy_version=version)]), tracker=tracker)
+    now = t0 + 6
+    s = build_status(
+        Snapshot(
+            "r",
+            now,
+            peers=[
+                trainer(policy_version=25, updated_at=now),
+                peer(INF_A, policy_version=10, updated_at=now - 3.5),  # when 11 was the newest
+                peer(INF_B, policy_version=3, updated_at=now - 3.5),  # 8 behind even then
+                peer(IMPOSTOR, policy_version=1, updated_at=t0 - 100),  # before the monitor watched
+            ],
+        ),
+        tracker=tracker,
+    )
+    rows = by_id(s)
+    assert (rows[INF_A]["lag"], rows[INF_B]["lag"], rows[IMPOSTOR]["lag"], rows[TRAINER]["lag"]) == (
+        1,
+        8,
+        None,
+        0,
+    )
+    assert [(a["code"], a["peers"]) for a in s["alerts"]] == [("peer_lagging", [INF_B])]
