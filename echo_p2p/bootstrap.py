@@ -2,8 +2,9 @@
 
 Owned here: the bootstrap peer (``BootstrapPeer``) and its CLI. It stores and serves DHT records for any
 run (signature-checked; schema-checked for the runs named with ``--run-id``), prints its multiaddrs ready
-to paste after ``--initial-peers``, writes them to ``--maddrs-file``, logs how many peers it sees, and
-stops cleanly on SIGINT/SIGTERM with no p2pd or child process left behind.
+to paste after ``--initial-peers``, writes them to ``--maddrs-file``, logs how many peers it sees, with
+``--monitor-port`` serves the live monitor page of its run (``echo_p2p.monitor``, read-only, from its own
+DHT node), and stops cleanly on SIGINT/SIGTERM with no p2pd or child process left behind.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ RUN_RECORD_PERIOD = 20.0
 class BootstrapPeer:
     """A DHT node with echo_p2p's validators; ``run()`` loops on a status period until ``request_stop``."""
 
-    def __init__(self, config):
+    def __init__(self, config, monitor=None):
         from echo_p2p.net.identity import load_or_create_identity
 
         self.config = config
+        self.monitor_config = monitor  # a monitor.config.MonitorConfig: serve the run's monitor page
+        self._monitor: tuple = ()  # (server, poller) while it serves
         self.identity = load_or_create_identity(config.network.identity_path)
         self.stop_event = threading.Event()
         self.dht = None
@@ -80,6 +83,32 @@ class BootstrapPeer:
             record = self._run_record[2]
             join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs))
             print(f"and the run {record.run_id} with:\n  --join {join}", flush=True)
+        if self.monitor_config is not None:
+            self._start_monitor(self._run_record[0].run_id if self._run_record is not None else run_ids[0])
+
+    def _start_monitor(self, run_id: str) -> None:
+        """Serve the monitor page of ``run_id`` from this node (trust: the run record it keeps, if any)."""
+        from echo_p2p.monitor.poller import Poller
+        from echo_p2p.monitor.server import MonitorServer
+        from echo_p2p.net.directory import SwarmDirectory
+        from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.transport.trust import RunTrust
+
+        record = self._run_record[2] if self._run_record is not None else None
+        trust = RunTrust(owner=record.owner_peer_id(), run_id=run_id) if record is not None else RunTrust()
+        directory = SwarmDirectory(self.dht, SwarmKeys(run_id), self.identity)
+        # no connection count: a bootstrap's node holds the records itself, alone or not
+        poller = Poller(directory, run_id, trust, self.monitor_config)
+        server = MonitorServer(poller.start(), self.monitor_config)
+        self._monitor = (server, poller)
+        try:
+            url = server.start()
+        except OSError as exc:  # a busy port: a start error (run_peer prints it, exit 1)
+            config = self.monitor_config
+            raise ValueError(
+                f"cannot serve the monitor on {config.host}:{config.port}: {exc.strerror}"
+            ) from None
+        print(f"monitor of run {run_id}: {url}", flush=True)
 
     def run(self) -> None:
         from echo_p2p.net.node import neighbour_counts
@@ -127,6 +156,8 @@ class BootstrapPeer:
             return
         self._stopped = True
         self.stop_event.set()
+        for part in self._monitor:
+            part.stop()
         if self.dht is not None:
             stop_dht(self.dht)
             self.dht = None
@@ -164,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--status-period", type=float, metavar="S", default=None, help="seconds between status lines"
     )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
+    parser.add_argument(
+        "--monitor-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the live monitor page of the run (of --run-record, else the first --run-id) on this port "
+        "(0: a free one)",
+    )
+    parser.add_argument(
+        "--monitor-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address of the monitor page (default 127.0.0.1: this machine only)",
+    )
     add_network_flags(
         parser, host_default_help="default /ip4/0.0.0.0/tcp/31337: all interfaces, the public default port"
     )
@@ -171,7 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None, environ=None):
-    from echo_p2p.config import BOOTSTRAP_ENV_VARS, BootstrapConfig, build_config
+    return parse_args(argv, environ)[0]
+
+
+def parse_args(argv: list[str] | None = None, environ=None):
+    """``(BootstrapConfig, MonitorConfig or None)`` from flags, environment and YAML; ``ConfigError``."""
+    from echo_p2p.config import BOOTSTRAP_ENV_VARS, BootstrapConfig, ConfigError, build_config
 
     args = build_parser().parse_args(argv)
     flags = {
@@ -182,20 +232,33 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "log_level": args.log_level,
         **network_flags(args),
     }
-    return build_config(
+    config = build_config(
         BootstrapConfig,
         yaml_path=args.config,
         environ=os.environ if environ is None else environ,
         env_fields=BOOTSTRAP_ENV_VARS,
         flags=flags,
     )
+    if args.monitor_port is None:
+        return config, None
+    if not config.run_record and not config.run_ids:
+        raise ConfigError("--monitor-port needs the run to watch: --run-record FILE or --run-id NAME")
+    from pydantic import ValidationError
+
+    from echo_p2p.config import format_validation_error
+    from echo_p2p.monitor.config import MonitorConfig
+
+    try:
+        return config, MonitorConfig(host=args.monitor_host, port=args.monitor_port)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
     from echo_p2p.config import ConfigError
 
     try:
-        config = parse_config(argv)
+        config, monitor = parse_args(argv)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
     from echo_p2p.logs import setup_logging
@@ -204,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     from echo_p2p.net.identity import IdentityError
 
     try:
-        peer = BootstrapPeer(config)
+        peer = BootstrapPeer(config, monitor)
     except IdentityError as exc:
         fail(str(exc), EXIT_START)
     run_peer(peer, "bootstrap")

@@ -22,6 +22,7 @@ from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.reputation import ReputationConfig
+from echo_p2p.train.trackers import ReportConfig
 from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
 from echo_p2p.transport.rollout_config import (
     IngestServerConfig,
@@ -260,6 +261,7 @@ class TrainerSection(StrictModel):
         "in between are not published, so inference peers fetch less often and staleness counts more versions",
     )
     resume: bool = Field(default=False, description="Continue from the newest checkpoint in checkpoint_dir")
+    report: ReportConfig = Field(default_factory=ReportConfig, description="TensorBoard / wandb figures")
     sync_timeout: float = Field(default=60.0, gt=0, description="Sync: deadline (s) to collect one batch")
     threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
     seed: int | None = Field(default=None, description="Seed of prompt choice (None: random)")

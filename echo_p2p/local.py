@@ -56,6 +56,8 @@ class LocalSwarmConfig:
     colocated: bool = False  # run the co-located baseline (one process) instead of a swarm
     threads: int = 1  # torch threads of each peer (or of the co-located process)
     status_period: float = 5.0
+    monitor: bool = False  # serve the monitor page of the run (echo_p2p.monitor) while it runs
+    monitor_port: int = 0  # its port on 127.0.0.1 (0: a free one)
     heartbeat_period: float = 2.0
     workdir: str = field(default_factory=lambda: os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
 
@@ -76,6 +78,7 @@ class LocalSwarm:
         self.children: list[Child] = []
         self.stop_event = threading.Event()
         self.bootstrap_maddr: str | None = None
+        self.owner: str | None = None  # peer id of this run's owner key (signs the run record)
         self.started_at = time.time()
 
     def _spawn(self, name: str, *args: str, nice: int = 0) -> Child:
@@ -102,6 +105,7 @@ class LocalSwarm:
             return
         maddrs_file = self.workdir / "bootstrap.maddrs"
         run_record, owner = self.make_run_record()
+        self.owner = owner
         boot = self._spawn(
             "bootstrap",
             "-m",
@@ -263,24 +267,55 @@ def watch(swarm: LocalSwarm) -> int:
     if config.colocated:
         return _watch_loop(swarm, None)
     from echo_p2p.config import NetworkConfig
+    from echo_p2p.monitor.status import peer_rows
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.node import start_dht, stop_dht
-    from echo_p2p.swarm import format_table, peer_rows
+    from echo_p2p.swarm import format_table
 
     keys = SwarmKeys(config.run_id)
     identity = load_or_create_identity(None)
     network = NetworkConfig(initial_peers=[swarm.bootstrap_maddr], host_maddrs=[LOOPBACK])
     dht = start_dht(network, identity, [keys], client_mode=True)
     directory = SwarmDirectory(dht, keys, identity, request_timeout=5.0)
+    monitor = None
     try:
+        if config.monitor:
+            monitor = start_monitor(swarm, dht, keys, identity)
         return _watch_loop(
             swarm, lambda: format_table(config.run_id, peer_rows(directory.peers(), time.time()))
         )
     finally:
+        if monitor is not None:
+            for part in monitor:
+                part.stop()
         stop_dht(dht)
         identity.cleanup()
+
+
+def start_monitor(swarm: LocalSwarm, dht, keys, identity) -> tuple:
+    """Serve the run's monitor page (``echo_p2p.monitor``) on 127.0.0.1 from this process's DHT node, with
+    the run owner's trust; prints its URL. Returns ``(server, poller)`` to stop."""
+    from echo_p2p.monitor.config import MonitorConfig
+    from echo_p2p.monitor.poller import Poller
+    from echo_p2p.monitor.server import MonitorServer
+    from echo_p2p.net.directory import SwarmDirectory
+    from echo_p2p.net.node import neighbour_counts
+    from echo_p2p.transport.trust import RunTrust
+
+    config = MonitorConfig(port=swarm.config.monitor_port, poll_period=2.0)
+    trust = RunTrust(owner=swarm.owner, run_id=swarm.config.run_id)
+    directory = SwarmDirectory(dht, keys, identity, request_timeout=5.0)
+    poller = Poller(directory, swarm.config.run_id, trust, config, lambda: neighbour_counts(dht)[1]).start()
+    server = MonitorServer(poller, config)
+    try:
+        url = server.start()
+    except (OSError, TimeoutError):
+        poller.stop()
+        raise
+    print(f"monitor: {url}", flush=True)
+    return server, poller
 
 
 def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
@@ -378,6 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workdir", default=None, help="logs and metrics go here (default runs/local-<time>)"
     )
+    parser.add_argument(
+        "--monitor",
+        action="store_true",
+        help="serve the run's live monitor page on 127.0.0.1 and print its URL",
+    )
+    parser.add_argument(
+        "--monitor-port",
+        type=int,
+        default=d.monitor_port,
+        help="port of the monitor page (default: a free one)",
+    )
     return parser
 
 
@@ -393,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("need --trainers >= 1, --inference >= 0, --duration >= 0, --status-period > 0")
         if args.threads < 1:
             raise ValueError("need --threads >= 1")
+        if not 0 <= args.monitor_port <= 65535 or (args.monitor and args.colocated):
+            raise ValueError("--monitor-port must be 0-65535; --monitor watches a swarm, not --colocated")
         peer_args = tuple(shlex.split(args.peer_args))
         if args.colocated and peer_args:
             raise ValueError("--peer-args applies to swarm peers, not to --colocated")
@@ -412,6 +460,8 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         extra_peer_args=peer_args,
         task_options=tuple(args.task_option),
+        monitor=args.monitor,
+        monitor_port=args.monitor_port,
     )
     if args.workdir:
         config.workdir = args.workdir

@@ -109,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="async: drop rollouts more than this many versions old",
     )
+    tr.add_argument(
+        "--report-to",
+        nargs="+",
+        choices=["tensorboard", "wandb"],
+        default=None,
+        help="also write the training figures (reward, kl, clip_ratio, ...) as TensorBoard event files and/or "
+        "an offline wandb run (optional packages: pip install 'echo_p2p[tensorboard]')",
+    )
+    tr.add_argument(
+        "--report-dir",
+        metavar="DIR",
+        default=None,
+        help="folder of the --report-to files (default <metrics-dir>/tensorboard)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=None, help="seed of prompt choice and sampling")
     add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/0: all interfaces, a free port")
@@ -145,6 +159,8 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.publish_interval": args.publish_interval,
         "trainer.prompts_per_step": args.prompts_per_step,
         "trainer.collab.target_batch_size": args.target_batch_size,
+        "trainer.report.report_to": args.report_to,
+        "trainer.report.dir": args.report_dir,
         "run.task_options": dict(args.task_option) or None,
         **network_flags(args),
     }

@@ -1,22 +1,22 @@
 """``python -m echo_p2p.swarm status --initial-peers ... --run-id NAME [--json]``: who is in a run.
 
-Joins the DHT as a client (it stores nothing and serves nothing), reads the run's peer records and prints
-them as a table for people or as JSON for programs: peer id, role, state, policy version held, rates and
-how long ago each peer last announced itself. Given the run's join address (or its trusted-trainers file),
-peers that announce themselves trainers without being the run's are marked IMPOSTOR.
+Joins the DHT as a client (it stores nothing and serves nothing), reads the run's directory once and prints
+it as a table for people, or as JSON for programs — the status that the monitor serves at ``/api/status``
+(``echo_p2p.monitor.status``: run header, peers, publishers, bans, alerts). Given the run's join address
+(or its trusted-trainers file), peers that announce themselves trainers without being the run's are marked
+IMPOSTOR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from typing import Any
 
 from echo_p2p import __version__
-from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_network_flags, fail, network_flags
+from echo_p2p.cli import EXIT_CONFIG, EXIT_START, fail
+from echo_p2p.monitor.target import add_target_flags, resolve_target
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,52 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"echo_p2p {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="list the peers of a run")
-    status.add_argument("--run-id", default=None, help="the run (env ECHO_RUN_ID)")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument(
-        "--join",
-        metavar="RUN:OWNER@MADDRS",
-        default=None,
-        help="the run's join address: trainers not in the owner's run record are marked IMPOSTOR",
+        "--json", action="store_true", help="print JSON (what the monitor serves at /api/status)"
     )
-    status.add_argument(
-        "--trusted-trainers",
-        metavar="FILE",
-        default=None,
-        help="for runs without an owner: trainers not in this file are marked IMPOSTOR",
-    )
-    add_network_flags(status, host_default_help="default /ip4/0.0.0.0/tcp/0")
+    add_target_flags(status)
     return parser
-
-
-def peer_rows(entries, now: float, trust=None) -> list[dict[str, Any]]:
-    """One row per peer; with ``trust`` (a ``RunTrust``), trainers get ``trusted`` True/False."""
-    rows = []
-    for entry in entries:
-        r = entry.record
-        trusted = None
-        if trust is not None and trust.configured and r.role == "trainer":
-            trusted = trust.is_trusted(r.peer_id)
-        rows.append(
-            {
-                "peer_id": r.peer_id,
-                "role": r.role,
-                "state": r.state,
-                "mode": r.mode,
-                "policy_version": r.policy_version,
-                "software_version": r.software_version,
-                "tokens_per_second": r.tokens_per_second,
-                "rollouts_per_second": r.rollouts_per_second,
-                "free_buffer_room": r.free_buffer_room,
-                "last_seen_s": round(max(0.0, now - r.updated_at), 1),
-                "uptime_s": round(max(0.0, now - r.started_at), 1),
-                "expires_in_s": round(entry.expires_at - now, 1),
-                "maddrs": r.maddrs,
-                "trusted": trusted,
-            }
-        )
-    rows.sort(key=lambda row: (row["role"], row["peer_id"]))
-    return rows
 
 
 def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
@@ -83,67 +42,47 @@ def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{'…' + r['peer_id'][-19:]:<20} {r['role']:<10} {state:<8} {fmt(r['mode']):<5} "
             f"{fmt(r['policy_version']):>5} {fmt(r['tokens_per_second'], '.1f'):>8} "
-            f"{fmt(r['rollouts_per_second'], '.2f'):>7} {fmt(r['free_buffer_room']):>5} {r['last_seen_s']:>5.0f}s"
+            f"{fmt(r['rollouts_per_second'], '.2f'):>7} {fmt(r['free_buffer_room']):>5} {fmt(r['last_seen_s'], '.0f'):>5}s"
         )
     return "\n".join(lines)
 
 
+def format_alerts(status: dict[str, Any]) -> str:
+    return "\n".join(f"ALERT {a['code']}: {a['message']}" for a in status.get("alerts", []))
+
+
 def main(argv: list[str] | None = None) -> None:
-    from echo_p2p.config import ConfigError, NetworkConfig, build_config
-    from echo_p2p.net.keys import validate_run_id
+    from echo_p2p.config import ConfigError
 
     args = build_parser().parse_args(argv)
-    run_id = args.run_id or os.environ.get("ECHO_RUN_ID")
-    join = None
     try:
-        if args.join is not None:
-            from echo_p2p.net.run_record import JoinAddress
-
-            join = JoinAddress.parse(args.join)
-            run_id = join.run_id
-            if not args.initial_peers:
-                args.initial_peers = list(join.initial_peers)
-        if not run_id:
-            raise ConfigError("config field 'run_id': required (pass --run-id or set ECHO_RUN_ID)")
-        validate_run_id(run_id)
-        flags = {k.removeprefix("network."): v for k, v in network_flags(args).items()}
-        env = {k: v for k, v in os.environ.items() if k in ("ECHO_INITIAL_PEERS", "ECHO_HOST_MADDRS")}
-        fields = {"ECHO_INITIAL_PEERS": "initial_peers", "ECHO_HOST_MADDRS": "host_maddrs"}
-        network = build_config(NetworkConfig, environ=env, env_fields=fields, flags=flags)
-        if not network.initial_peers:
-            raise ConfigError("config field 'initial_peers': required to find the run (pass --initial-peers)")
-        trust = _trust(join, args.trusted_trainers, run_id)
+        target = resolve_target(args)
     except (ConfigError, ValueError) as exc:
         fail(str(exc), EXIT_CONFIG)
 
     from echo_p2p.logs import setup_logging
 
     setup_logging("WARNING")
+    from echo_p2p.monitor.status import build_status, read_snapshot
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
-    from echo_p2p.net.node import NodeStartError, start_dht, stop_dht
+    from echo_p2p.net.node import NodeStartError, neighbour_counts, start_dht, stop_dht
 
-    keys = SwarmKeys(run_id)
-    identity = load_or_create_identity(network.identity_path)
+    identity = load_or_create_identity(target.network.identity_path)
     dht = None
     try:
-        dht = start_dht(network, identity, [keys], client_mode=True)
-        directory = SwarmDirectory(dht, keys, identity, network.request_timeout)
-        if trust.owner is not None:
-            trust.update(entry.record for entry in directory.run_records())
-        rows = peer_rows(directory.peers(), time.time(), trust)
+        keys = SwarmKeys(target.run_id)
+        dht = start_dht(target.network, identity, [keys], client_mode=True)
+        directory = SwarmDirectory(dht, keys, identity, target.network.request_timeout)
+        snapshot = read_snapshot(directory, target.run_id, target.trust, lambda: neighbour_counts(dht)[1])
+        status = build_status(snapshot)
         if args.json:
-            out = {
-                "run_id": run_id,
-                "time": time.time(),
-                "trust": trust.describe(),
-                "peers": rows,
-                "rejected": dict(directory.rejected),
-            }
-            print(json.dumps(out, indent=2))
+            print(json.dumps(status, indent=2, allow_nan=False))
         else:
-            print(format_table(run_id, rows))
+            print(format_table(target.run_id, status["peers"]))
+            if status["alerts"]:
+                print(format_alerts(status))
     except NodeStartError as exc:
         fail(str(exc), EXIT_START)
     finally:
@@ -151,16 +90,6 @@ def main(argv: list[str] | None = None) -> None:
             stop_dht(dht)
         identity.cleanup()
     sys.exit(0)
-
-
-def _trust(join, trusted_trainers: str | None, run_id: str):
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
-
-    if join is not None:
-        return RunTrust(owner=join.owner, run_id=run_id)
-    if trusted_trainers:
-        return RunTrust(fixed=TrustedTrainers.from_file(trusted_trainers))
-    return RunTrust()
 
 
 if __name__ == "__main__":

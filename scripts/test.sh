@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, then unit and integration tests (real processes on 127.0.0.1 only).
 # Sets up .venv on first use. Extra arguments go to pytest.
+# The monitor's browser tests need Chromium: run as root, this installs Debian's `chromium` package when it is
+# missing (ECHO_NO_BROWSER_INSTALL=1 turns that off); without it those tests skip with the install line.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
+if [ "${ECHO_NO_BROWSER_INSTALL:-0}" != "1" ] && [ "$(id -u)" = "0" ] && ! command -v chromium >/dev/null \
+  && command -v apt-get >/dev/null; then
+  echo "[test] installing chromium for the monitor's browser tests (ECHO_NO_BROWSER_INSTALL=1 skips this)" >&2
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; } \
+    || echo "[test] could not install chromium: the browser tests will skip" >&2
+fi
 cd "$ROOT"
 "$ROOT/.venv/bin/ruff" check echo_p2p tests benchmarks
 "$ROOT/.venv/bin/ruff" format --check echo_p2p tests benchmarks

@@ -55,6 +55,7 @@ class SwarmDirectory:
         self.identity = identity
         self.request_timeout = request_timeout
         self.rejected: Counter[str] = Counter()  # reason -> count, for records dropped on read
+        self.read_timeouts = 0  # reads that got no answer within request_timeout (a monitor's "DHT down")
         self._warned_protocols: set[tuple[str, int]] = set()
 
     # ---- writes -----------------------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class SwarmDirectory:
             found = future.result(timeout=self.request_timeout)
         except TimeoutError:
             future.cancel()
+            self.read_timeouts += 1
             logger.warning("reading %s timed out after %.1f s", key, self.request_timeout)
             return []
         if found is None or not isinstance(found.value, dict):

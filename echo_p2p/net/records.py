@@ -127,6 +127,26 @@ class PeerRecord(WireRecord):
     accepts_rollouts: bool | None = Field(
         default=None, description="Trainer: whether it ingests pushed rollouts"
     )
+    # figures for monitors (``swarm status``, ``echo_p2p.monitor``): shown, never acted upon by peers
+    buffered_groups: int | None = Field(
+        default=None, ge=0, description="Trainer (async): rollout groups in its replay buffer"
+    )
+    max_staleness: int | None = Field(
+        default=None, ge=0, le=1024, description="Trainer: oldest rollouts it trains on, in versions"
+    )
+    rollouts_consumed: int | None = Field(
+        default=None, ge=0, description="Trainer: rollout groups trained on since it started"
+    )
+    reward_mean: float | None = Field(
+        default=None,
+        ge=-1e6,
+        le=1e6,
+        allow_inf_nan=False,
+        description="Trainer: mean re-scored reward of its last (up to 10) steps",
+    )
+    chunks_served: int | None = Field(
+        default=None, ge=0, description="Policy chunks this peer served to others since it started"
+    )
 
 
 class ProviderRecord(WireRecord):

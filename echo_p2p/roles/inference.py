@@ -255,7 +255,12 @@ class InferencePeer(BasePeer):
 
     # ---- announcements and metrics ----------------------------------------------------------------------
     def role_fields(self) -> dict[str, Any]:
-        return {"tokens_per_second": self.tokens_per_second, "rollouts_per_second": self.rollouts_per_second}
+        served = self.fetcher.endpoint.servicer.stats.chunks_served if self.fetcher is not None else None
+        return {
+            "tokens_per_second": self.tokens_per_second,
+            "rollouts_per_second": self.rollouts_per_second,
+            "chunks_served": served,
+        }
 
     def figures(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -10,6 +10,7 @@ so that inference peers see one consistent manifest per version); the others tak
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -18,11 +19,13 @@ from typing import Any
 
 from echo_p2p.roles.base import BasePeer
 from echo_p2p.roles.trainer_weights import (
+    elect_publisher,
     params_finite,
     peak_rss_mib,
     reload_last_good,
     start_on_serving_grid,
 )
+from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class TrainerPeer(BasePeer):
         self.update_seconds = 0.0
         self.publish_seconds = 0.0
         self.reward_history: list[tuple[float, int, float]] = []  # (time, version, mean reward)
+        self.buffer = None  # the replay buffer (async mode), built in on_start
+        self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
         self._work_started = time.monotonic()
@@ -97,6 +102,13 @@ class TrainerPeer(BasePeer):
             }
         )
         self.learner = Learner(self.model, grpo)
+        self.trackers = open_trackers(
+            section.report,
+            os.path.join(self.config.metrics_dir or "runs", "tensorboard"),
+            run_name=f"trainer-{self.peer_id}",
+            project=f"echo_p2p-{self.config.run_id}",
+            hparams={"run_id": self.config.run_id, "mode": self.config.mode, **grpo.model_dump(mode="json")},
+        )
 
         loaded = None
         if section.checkpoint_dir:
@@ -293,15 +305,17 @@ class TrainerPeer(BasePeer):
         std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
         staleness = Counter(version_before - g.policy_version for g in batch)
         self.reward_history.append((time.time(), result.version, mean))
+        stats, step_s = result.stats, time.monotonic() - t0
         self.last_stats = {
             "reward_mean": round(mean, 4),
             "reward_std": round(std, 4),
-            "loss": round(float(result.stats.get("loss", 0.0)), 5),
-            "clip_frac": round(float(result.stats.get("clip_frac", 0.0)), 4),
-            "logprob_gap_max": round(float(result.stats.get("logprob_gap_max", 0.0)), 4),
+            "loss": round(float(stats.get("loss", 0.0)), 5),
+            "clip_frac": round(float(stats.get("clip_frac", 0.0)), 4),
+            "logprob_gap_max": round(float(stats.get("logprob_gap_max", 0.0)), 4),
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "policy_drift": None if drift is None else round(drift, 4),
-            "step_update_s": round(time.monotonic() - t0, 4),
+            **step_figures(stats, staleness, step_s),
+            "step_update_s": round(step_s, 4),
         }
         if result.advanced and not params_finite(self.model):
             self._recover_nonfinite()
@@ -313,6 +327,8 @@ class TrainerPeer(BasePeer):
             self._maybe_publish()
             self._maybe_checkpoint()
         self.metrics.write(self.policy_version, step=self.steps, **self.last_stats, **self._counters())
+        extra = {"rollouts_consumed": self.rollouts_consumed, "version": self.policy_version}
+        self.trackers.log({**self.last_stats, **extra}, self.steps)
 
     def _recover_nonfinite(self) -> None:
         """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or
@@ -337,27 +353,12 @@ class TrainerPeer(BasePeer):
 
     # ---- publishing and checkpoints ---------------------------------------------------------------------
     def _choose_publisher(self) -> bool:
-        """The running trusted trainer with the smallest peer id publishes; ties broken the same way everywhere.
-
-        Trusted: listed by the run record or the trusted-trainers file (``self.trust``); a record that only
-        says ``role: trainer`` takes no part, so an impostor (or a ghost record it left) cannot silence the
-        run's publisher. A trainer that is not trusted itself never publishes.
-        """
-        trust = self.trust
-        if trust is not None and not trust.is_trusted(self.peer_id):
-            return False
+        """Whether this trainer publishes (``elect_publisher`` over the directory's trainers)."""
         try:
-            trainers = [
-                e.record.peer_id
-                for e in self.directory.peers()
-                if e.record.role == "trainer"
-                and e.record.state == "running"
-                and (trust is None or trust.is_trusted(e.record.peer_id))
-            ]
+            entries = list(self.directory.peers())
         except Exception:
-            trainers = []
-        trainers.append(self.peer_id)
-        return min(trainers) == self.peer_id
+            entries = []
+        return elect_publisher(self.peer_id, [e.record for e in entries], self.trust)
 
     def on_heartbeat(self) -> None:
         self._update_publisher_role()
@@ -425,10 +426,16 @@ class TrainerPeer(BasePeer):
     # ---- announcements and metrics ----------------------------------------------------------------------
     def role_fields(self) -> dict[str, Any]:
         elapsed = max(1e-9, time.monotonic() - self._work_started)
+        recent = [reward for _, _, reward in self.reward_history[-10:]]
         return {
             "free_buffer_room": self.free_buffer_room,
             "accepts_rollouts": self.accepts_rollouts,
             "rollouts_per_second": round(self.rollouts_consumed / elapsed, 3) if self.steps else None,
+            "buffered_groups": len(self.buffer) if self.buffer is not None else None,
+            "max_staleness": self.section.max_staleness,
+            "rollouts_consumed": self.rollouts_consumed,
+            "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
+            "chunks_served": self.publisher.servicer.stats.chunks_served if self.publisher else None,
         }
 
     def _counters(self) -> dict[str, Any]:
@@ -475,6 +482,7 @@ class TrainerPeer(BasePeer):
             ("loop", lambda: self.loop and self.loop.shutdown()),
             ("publisher", lambda: self.publisher and self.publisher.shutdown()),
             ("optimizer", lambda: self.optimizer is not None and shutdown_optimizer(self.optimizer)),
+            ("trackers", self.trackers.close),
         ):
             try:
                 closer()

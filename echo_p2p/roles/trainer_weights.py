@@ -1,4 +1,5 @@
-"""The trainer's own weights: where a fresh run starts, whether they are finite, the last good state.
+"""The trainer's own weights: where a fresh run starts, whether they are finite, the last good state, and
+whether this trainer is the one that publishes them.
 
 Owned here: helpers of the trainer peer that touch its model and optimizer state but not the network
 (kept apart from ``trainer.py``, which wires the roles' parts together). Callers: ``TrainerPeer``.
@@ -60,3 +61,21 @@ def peak_rss_mib() -> float | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
+
+
+def elect_publisher(peer_id: str, records, trust) -> bool:
+    """Whether ``peer_id`` publishes: the running trusted trainer with the smallest peer id does, the same
+    choice on every trainer.
+
+    Trusted: listed by the run record or the trusted-trainers file (``trust``; None: everyone); a record
+    that only says ``role: trainer`` takes no part, so an impostor (or a ghost record it left) cannot
+    silence the run's publisher. A trainer that is not trusted itself never publishes.
+    """
+    if trust is not None and not trust.is_trusted(peer_id):
+        return False
+    trainers = [
+        r.peer_id
+        for r in records
+        if r.role == "trainer" and r.state == "running" and (trust is None or trust.is_trusted(r.peer_id))
+    ]
+    return min([*trainers, peer_id]) == peer_id

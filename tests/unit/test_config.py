@@ -89,7 +89,7 @@ def test_cli_missing_initial_peers_exits_2():
 
 
 @pytest.mark.parametrize(
-    "module", ["echo_p2p.peer", "echo_p2p.bootstrap", "echo_p2p.swarm", "echo_p2p.local"]
+    "module", ["echo_p2p.peer", "echo_p2p.bootstrap", "echo_p2p.swarm", "echo_p2p.local", "echo_p2p.monitor"]
 )
 def test_help_is_instant_and_imports_no_torch_or_hivemind(module):
     code = (

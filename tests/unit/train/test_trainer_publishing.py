@@ -107,3 +107,24 @@ def test_a_fresh_trainer_starts_on_the_grid_its_receivers_hold():
     before = [p.detach().clone() for p in peer.model.parameters()]
     assert start_on_serving_grid(peer.model, peer.section.encoding) == 0
     assert all(torch.equal(p, b) for p, b in zip(peer.model.parameters(), before, strict=True))
+
+
+def test_the_smallest_running_trusted_trainer_is_elected_publisher():
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord
+    from echo_p2p.roles.trainer_weights import elect_publisher
+    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+    # ghost sorts first, claims to be a trainer and is not trusted
+    ghost, a, b, c = sorted(str(load_or_create_identity(None).peer_id) for _ in range(4))
+    records = [
+        PeerRecord(peer_id=ghost, role="trainer"),
+        PeerRecord(peer_id=a, role="trainer", state="leaving"),
+        PeerRecord(peer_id=b, role="trainer"),
+        PeerRecord(peer_id=c, role="trainer"),
+    ]
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([a, b, c]))
+    assert elect_publisher(b, records, trust)  # a is leaving, the ghost is not trusted
+    assert not elect_publisher(c, records, trust)
+    assert not elect_publisher(ghost, records, trust)  # an untrusted trainer never publishes
+    assert elect_publisher(ghost, records, None)  # without trust, every announcement counts
