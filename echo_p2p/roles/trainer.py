@@ -191,7 +191,9 @@ class TrainerPeer(BasePeer):
 
             self.buffer = None
             self.guard = SenderGuard(section.reputation, self.peer_id, None, self.trust)
-            self.sample_client = SampleClient(self.loop, self.directory, section.sample_client, namespace)
+            self.sample_client = SampleClient(
+                self.loop, self.directory, section.sample_client, namespace, is_banned=self.guard.is_banned
+            )
         if not self.trust.configured:
             logger.warning(
                 "%s the run declares no trainers (no run record, no --trusted-trainers): any peer that "

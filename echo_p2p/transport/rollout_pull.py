@@ -85,6 +85,10 @@ class SampleClient:
     :param directory: anything with ``peers() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``)
     :param accept: optional ``group -> bool`` run on each returned group (e.g. the trainer's validator);
         a group it refuses counts as not delivered and its prompt is asked again elsewhere
+    :param is_banned: optional ``peer id -> bool``: banned peers are not asked (the trainer's ``SenderGuard``)
+
+    Each group a peer returns is attributed to it (``sampler_peer_id``; a group naming another sampler is
+    refused, ``not_the_sampler``), so the trainer's log-prob checks judge the peer that sampled it.
     """
 
     def __init__(
@@ -94,12 +98,14 @@ class SampleClient:
         config: SampleClientConfig | None = None,
         namespace: str | None = None,
         accept: Callable[[RolloutGroup], bool] | None = None,
+        is_banned: Callable[[str], bool] | None = None,
     ) -> None:
         self.loop = loop
         self.directory = directory
         self.config = config or SampleClientConfig()
         self.namespace = namespace
         self.accept = accept
+        self.is_banned = is_banned
         self.counters: Counter[str] = Counter()  # requests, failed_requests, groups, reasked, unrequested
         self.refused: Counter[str] = Counter()  # reason -> requests refused by peers
         self._peers: list[_Peer] = []
@@ -147,6 +153,10 @@ class SampleClient:
             for peer_id, (groups, error) in results.items():
                 delivered = 0
                 for group in groups:
+                    if group.sampler_peer_id not in ("", peer_id):
+                        self.counters["not_the_sampler"] += 1
+                        continue
+                    group.sampler_peer_id = peer_id  # whom the log-prob checks judge
                     if self._take(group, needed, task, n, version):
                         out.append(group)
                         delivered += 1
@@ -192,7 +202,11 @@ class SampleClient:
         if time.monotonic() - self._refreshed_at >= self.config.refresh_period:
             self._refresh()
         now = time.monotonic()
-        usable = [p for p in self._peers if p.peer_id not in failed]
+        usable = [
+            p
+            for p in self._peers
+            if p.peer_id not in failed and not (self.is_banned is not None and self.is_banned(p.peer_id))
+        ]
         fresh = [p for p in usable if self._bad_until.get(p.peer_id, 0.0) <= now]
         return fresh or usable
 

@@ -491,6 +491,16 @@ def test_a_slot_hog_asking_for_an_unpublished_version_does_not_stall_a_trainer(n
     assert answer.error == "unknown_version"
     assert ("sample", (1,), G, 10**9, TASK.max_new_tokens) not in sampler.calls
     assert servicer.stats()["rejected"] == {"unknown_version": 1}
+    # a peer the trainer banned (its log-probs failed the checks) is never asked
+    banned = SampleClient(
+        t1.loop,
+        t1.directory(keys),
+        SampleClientConfig(idle_wait=0.2),
+        namespace=rollout_namespace(keys),
+        is_banned=lambda peer_id: peer_id == i1.peer_id,
+    )
+    assert banned.collect("count", [0, 1], G, VERSION, timeout=1.0) == []
+    assert not banned.stats().get("groups") and not banned.stats().get("requests")
 
 
 def test_spread_by_weight_is_proportional_and_unknown_throughput_counts_as_average():
