@@ -58,7 +58,7 @@ class GRPOConfig(BaseModel):
         "peers set it from ``trainer.reputation`` (docs/security.md).",
     )
     drift_probe_sequences: int = Field(
-        default=4,
+        default=16,
         ge=0,
         description="Sequences of each batch re-scored after an update that makes a new version, to measure "
         "how far the policy moved (``Learner.measure_drift``; ``train.drift``): one small forward pass per "

@@ -60,7 +60,7 @@ class ReputationConfig(BaseModel):
         "sampler has the odd strike; a liar has them on most of its groups",
     )
     recent_groups: int = Field(
-        default=20, ge=1, description="A sender's last groups over which ``ban_fraction`` is taken"
+        default=100, ge=1, description="A sender's last groups over which ``ban_fraction`` is taken"
     )
     window: float = Field(default=600.0, gt=0, description="Seconds a strike counts")
     ban_seconds: float = Field(default=1800.0, gt=0, le=86400, description="How long a ban lasts")
