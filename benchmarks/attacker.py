@@ -14,7 +14,10 @@ joins the run's DHT from its join address, finds the trainers in the directory a
 * ``flood``: a DHT node without echo_p2p's rules that stores 1,500 peer records under one key (its own
   subkeys) expiring in 10^6 s, over and over (the directory flood);
 * ``ghost``: stores one ``role: trainer`` record under a key whose peer id sorts below every trainer's,
-  expiring as late as the DHT lets it, and leaves at once (the ghost trainer).
+  expiring as late as the DHT lets it, and leaves at once (the ghost trainer);
+* ``idle``: the control: joins like the push attacks (DHT node, P2P loop, reads the trainers from the
+  directory every 0.5 s) and sends nothing, so that what the attacker's own processes cost a shared machine
+  is measured apart from what its messages cost the run.
 
 Every wait is bounded; it stops only itself.
 """
@@ -95,6 +98,8 @@ class Attacker:
             self.directory = SwarmDirectory(self.dht, self.keys, self.identity, request_timeout=5)
             if attack == "ghost":
                 return self._ghost()
+            if attack == "idle":
+                return self._idle()
             return self._push_attack(attack)
         finally:
             stop_dht(self.dht)
@@ -124,6 +129,19 @@ class Attacker:
                             print(f"{key}: {exc}"[:300], flush=True)
                         self.seen[key] += 1
                         self.stop.wait(0.2)
+        finally:
+            loop.shutdown()
+        return dict(self.seen)
+
+    def _idle(self) -> dict:
+        from echo_p2p.transport.p2p_loop import P2PLoop
+
+        loop = P2PLoop.from_dht(self.dht)
+        deadline = time.monotonic() + self.args.duration
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                self.seen["trainers_seen"] = max(self.seen["trainers_seen"], len(trainers(self.directory)))
+                self.stop.wait(0.5)
         finally:
             loop.shutdown()
         return dict(self.seen)
@@ -255,7 +273,9 @@ class Attacker:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--join", required=True, help="the run's join address RUN:OWNER@MADDRS")
-    p.add_argument("--attack", required=True, choices=["poison", "oversized", "heavy", "flood", "ghost"])
+    p.add_argument(
+        "--attack", required=True, choices=["poison", "oversized", "heavy", "flood", "ghost", "idle"]
+    )
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--model", default="tiny")
     p.add_argument("--task", default="count")

@@ -7,11 +7,15 @@ run from its join address as soon as the bootstrap is up and attacks until the e
 at nice 19: on a real network it has a machine of its own, and what is measured here is what its messages
 cost the run, not its share of these two cores. Reported per arm: steps
 in the budget, steps per minute between the trainer's first and last step and its ratio to ``baseline``,
-rollouts consumed per second, the reward of the last 10 steps, and what the attacker saw (the trainers'
+rollouts consumed per second, the reward of the last 10 steps, the senders the trainers banned (the poisoner;
+any other is an honest peer banned by mistake), and what the attacker saw (the trainers'
 verdicts on what it sent, or the DHT's).
 
-Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,poison,oversized,heavy,flood,ghost,baseline]
-[--out PATH]`` (about 1.5 minutes per arm; the ratio is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
+The ``idle`` arm is the control for the attacker's own processes (a DHT node, p2pd, a Python loop) on these
+two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over the idle arms' mean.
+
+Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,idle,poison,oversized,heavy,flood,ghost,
+idle,baseline] [--out PATH]`` (about 1.5 minutes per arm; ``x base`` is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
 compare arms of the same run only.
 """
 
@@ -32,7 +36,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ARMS = ("baseline", "poison", "oversized", "heavy", "flood", "ghost")
+ARMS = ("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost")
 
 
 def wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float) -> bool:
@@ -58,6 +62,7 @@ def stop(proc: subprocess.Popen | None, grace: float = 20.0) -> None:
 
 
 def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, Any]:
+    from echo_p2p.metrics import read_metrics
     from echo_p2p.net.run_record import read_file
 
     name = f"{index}-{arm}"
@@ -93,6 +98,10 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
         stop(attacker)
     summary = json.loads((workdir / "summary.json").read_text())
     seen = json.loads(report.read_text())["seen"] if report.exists() else {}
+    banned = 0  # senders the trainers banned at the end: the attacker (poison) or an honest peer (a bug)
+    for path in (workdir / "metrics").glob("trainer-*.jsonl"):
+        lines = [x for x in read_metrics(str(path)) if "senders" in x]
+        banned += lines[-1]["senders"].get("banned", 0) if lines else 0
     span = summary.get("seconds_training") or 0.0
     return {
         "arm": arm,
@@ -101,6 +110,7 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
         "rollouts_per_second": round(summary.get("rollouts_per_second") or 0.0, 1),
         "reward_final": summary.get("reward_final"),
         "refused_at_ingest": summary.get("refused_at_ingest"),
+        "senders_banned": banned,
         "attacker_saw": seen,
     }
 
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument(
         "--arms",
-        default=",".join((*ARMS, "baseline")),
+        default=",".join((*ARMS, "idle", "baseline")),
         help="in this order; a baseline first and last brackets the machine's drift (ratios use their mean)",
     )
     p.add_argument("--out", default=str(HERE / "results" / "attacks.json"))
@@ -124,21 +134,30 @@ def main(argv: list[str] | None = None) -> None:
         for index, arm in enumerate(arms):
             rows.append(run_arm(arm, args.duration, Path(tmp), index))
             print(f"{arm}: {rows[-1]}", flush=True)
-    bases = [r["steps_per_minute"] for r in rows if r["arm"] == "baseline"]
-    base = {"steps_per_minute": sum(bases) / len(bases)} if bases else None
+
+    def mean_rate(arm: str) -> float | None:
+        rates = [r["steps_per_minute"] for r in rows if r["arm"] == arm]
+        return sum(rates) / len(rates) if rates and sum(rates) > 0 else None
+
+    base, idle = mean_rate("baseline"), mean_rate("idle")
     print(
-        f"\n{'arm':<10} {'steps':>6} {'steps/min':>10} {'x base':>7} {'roll/s':>7} {'reward':>7}  attacker saw"
+        f"\n{'arm':<10} {'steps':>6} {'steps/min':>10} {'x base':>7} {'x idle':>7} {'roll/s':>7} {'reward':>7}"
+        f" {'bans':>4}  attacker saw"
     )
     for r in rows:
-        ratio = (
-            r["steps_per_minute"] / base["steps_per_minute"] if base and base["steps_per_minute"] else None
-        )
+        ratio = r["steps_per_minute"] / base if base else None
+        # x idle: against a stranger that joins and sends nothing (its own processes share these cores):
+        # what the attack's messages cost, apart from what running an attacker here costs
+        ratio_idle = r["steps_per_minute"] / idle if idle and r["arm"] != "baseline" else None
         r["ratio_to_baseline"] = round(ratio, 3) if ratio is not None else None
+        r["ratio_to_idle"] = round(ratio_idle, 3) if ratio_idle is not None else None
         seen = ", ".join(f"{k} {v}" for k, v in sorted(r["attacker_saw"].items(), key=lambda kv: -kv[1])[:4])
         print(
             f"{r['arm']:<10} {r['steps']:>6} {r['steps_per_minute']:>10.1f} "
-            f"{'-' if ratio is None else format(ratio, '.2f'):>7} {r['rollouts_per_second']:>7.1f} "
-            f"{r['reward_final'] if r['reward_final'] is not None else '-':>7}  {seen}"
+            f"{'-' if ratio is None else format(ratio, '.2f'):>7} "
+            f"{'-' if ratio_idle is None else format(ratio_idle, '.2f'):>7} {r['rollouts_per_second']:>7.1f} "
+            f"{'-' if r['reward_final'] is None else format(r['reward_final'], '.3f'):>7} "
+            f"{r['senders_banned']:>4}  {seen}"
         )
     out = {
         "benchmark": "attacks",
