@@ -1,7 +1,7 @@
 """Weight encoding: policy versions as signed manifests plus verified chunks (pure ML, no networking).
 
 Owned here: the package's public API. `manifest` (schema, chunk verification; no torch) is imported
-eagerly; the torch codec (`codec`, `quant`) only on first use of one of its names, so that networking
+eagerly; the torch codec (`codec`, `model_io`, `quant`) only on first use of one of its names, so that networking
 code can import the manifest without torch. Must not import hivemind.
 """
 
@@ -31,23 +31,21 @@ if TYPE_CHECKING:
     from echo_p2p.weights.codec import (
         EncodedVersion,
         EncodingConfig,
-        PolicyWeights,
         VersionAssembler,
         WeightEncoder,
-        load_into_model,
         merge_changes,
-        named_tensors,
     )
+    from echo_p2p.weights.model_io import PolicyWeights, load_into_model, named_tensors
 
-_LAZY = {
-    "EncodedVersion",
-    "EncodingConfig",
-    "PolicyWeights",
-    "VersionAssembler",
-    "WeightEncoder",
-    "load_into_model",
-    "merge_changes",
-    "named_tensors",
+_LAZY = {  # name -> the torch module that defines it, imported on first use
+    "EncodedVersion": "codec",
+    "EncodingConfig": "codec",
+    "VersionAssembler": "codec",
+    "WeightEncoder": "codec",
+    "merge_changes": "codec",
+    "PolicyWeights": "model_io",
+    "load_into_model": "model_io",
+    "named_tensors": "model_io",
 }
 
 __all__ = [
@@ -78,5 +76,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module("echo_p2p.weights.codec"), name)
+        return getattr(importlib.import_module(f"echo_p2p.weights.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

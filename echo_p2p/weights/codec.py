@@ -2,8 +2,8 @@
 
 Owned here: `EncodingConfig`; `WeightEncoder`, which keeps the error-feedback shadow of an int8-delta
 stream and decides keyframes; `VersionAssembler`, which collects verified chunks of one version and applies
-it, streaming chunk by chunk, only when every chunk is present; `PolicyWeights`, the weights a receiver
-holds together with their version and stream; and the model helpers `named_tensors` / `load_into_model`.
+it, streaming chunk by chunk, only when every chunk is present. `PolicyWeights` and the model helpers
+`named_tensors` / `load_into_model` live in `model_io`.
 Called by trainer peers (encode after each optimizer epoch) and inference peers (assemble, apply, load),
 with the networking layer moving manifests and chunks in between.
 Pure ML: must not import hivemind or do any networking. Does not sign manifests (the caller signs with
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,7 @@ from echo_p2p.weights.manifest import (
     payload_nbytes,
     sha256_hex,
 )
+from echo_p2p.weights.model_io import PolicyWeights
 from echo_p2p.weights.patch import apply_patch_, decode_patch, diff16, encode_patch
 from echo_p2p.weights.quant import (
     DTYPE_NAMES,
@@ -52,25 +53,6 @@ from echo_p2p.weights.quant import (
     quantize_blockwise,
     split_int8,
 )
-
-
-@dataclass
-class PolicyWeights:
-    """Weights a receiver holds: the tensors of one version of one publisher's stream.
-
-    The float tensors are the stream's state and must be kept as they are (the next delta applies to
-    them): float32 in an int8-delta stream, the serving dtype (bf16 or fp16) in a patch or auto stream
-    (exactly the trainer's weights cast to it after a patch); load a cast copy into the model with `load_into_model`.
-    ``changed`` says what differs from version ``changed_since`` when only part of it does (after patches):
-    per tensor name, the flat positions that changed (None: the whole tensor); a name absent from it did not
-    change. ``changed=None``: unknown, treat every tensor as new.
-    """
-
-    version: int
-    stream_id: str
-    tensors: dict[str, torch.Tensor]
-    changed: dict[str, torch.Tensor | None] | None = None
-    changed_since: int | None = None
 
 
 @dataclass
@@ -464,42 +446,3 @@ def _snapshot_pieces(t: torch.Tensor, encoding: str, blocksize: int) -> Iterator
         yield as_bytes(t.to("cpu"))
     else:
         yield from encode_float(t, encoding, blocksize)
-
-
-def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors to publish for `model`: its state dict (parameters and persistent buffers), detached.
-
-    A tensor that several names share (tied input/output embeddings) is listed once, under its first
-    state-dict name; `load_into_model` writes it back through that name, which updates every alias.
-    """
-    seen: set[tuple] = set()
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, t in model.state_dict(keep_vars=True).items():
-        if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            if key in seen:
-                continue
-            seen.add(key)
-        out.append((name, t.detach()))
-    return out
-
-
-def load_into_model(model: torch.nn.Module, weights: PolicyWeights | Mapping[str, torch.Tensor]) -> None:
-    """Copy `weights` into `model` (cast to each tensor's dtype and device) under ``torch.no_grad()``.
-
-    The names must be exactly those of `named_tensors(model)`; shapes are checked before anything is copied.
-    """
-    tensors = weights.tensors if isinstance(weights, PolicyWeights) else weights
-    targets = dict(named_tensors(model))
-    if set(targets) != set(tensors):
-        missing = sorted(set(targets) - set(tensors))[:5]
-        extra = sorted(set(tensors) - set(targets))[:5]
-        raise ParamMismatchError(f"weights do not match the model: missing {missing}, extra {extra}")
-    for name, t in targets.items():
-        if t.shape != tensors[name].shape:
-            raise ParamMismatchError(
-                f"{name}: model shape {list(t.shape)}, weights {list(tensors[name].shape)}"
-            )
-    with torch.no_grad():
-        for name, t in targets.items():
-            t.copy_(tensors[name])
