@@ -123,3 +123,24 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
+
+
+def write_run_record(path: Path, run_id: str, owner, trainers: list[str]) -> Path:
+    """A run record of ``run_id`` (tiny model, ``count`` task, async, valid for an hour) listing
+    ``trainers``, signed by the ``owner`` identity and written to ``path``, as ``echo_p2p.owner sign`` does."""
+    from echo_p2p.net import run_record as rr
+
+    now = time.time()
+    record = rr.RunRecord(
+        run_id=run_id,
+        owner_key=owner.public_key_bytes().decode(),
+        trainers=trainers,
+        serial=1,
+        issued_at=now,
+        expires_at=now + 3600,
+        model="tiny",
+        task="count",
+        mode="async",
+    )
+    rr.write_file(path, *rr.sign(record, owner))
+    return path

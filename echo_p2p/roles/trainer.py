@@ -286,8 +286,9 @@ class TrainerPeer(BasePeer):
         version_before = self.policy_version or 0
         allowances = self.guard.allowances(batch, version_before)
         result = self._stepper(batch, gap_allowance=allowances)
-        drift = self.learner.measure_drift() if result.advanced else None
-        if result.advanced:
+        drift = None
+        if result.advanced:  # the weights moved: how far (the allowance of later stale groups)
+            drift = self.learner.measure_drift()
             self.guard.drift.record(result.version_before, result.version, drift)
         self.update_seconds += time.monotonic() - t0
         self.guard.judge(batch, self.learner.last_group_gaps, allowances)

@@ -3,8 +3,9 @@
 Owned here: ``SenderGuard``, which the trainer peer feeds after every step with the groups it trained on
 and the learner's per-group log-prob gaps (``Learner.last_group_gaps``; completions above the gap were
 already left out of the loss), each allowed as much more as the trainer's own policy moved since the
-group's version (``train.drift``: the trainer records every update's measured movement in ``drift``). Repeat offenders are banned (``train.reputation``): the ingest refuses their
-pushes before reading them and their groups leave the buffer. The guard publishes this trainer's bans on
+group's version (``train.drift``: the trainer records every update's measured movement in ``drift``).
+Repeat offenders are banned (``train.reputation``): the ingest refuses their pushes before reading them and
+their groups leave the buffer. The guard publishes this trainer's bans on
 the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
 trainers shares none: anyone could ban an honest peer). Every DHT call is bounded by the directory.
 """

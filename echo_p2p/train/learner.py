@@ -185,20 +185,8 @@ class Learner:
                 logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
                 logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
                 del logits
-                if self._probe is None and cfg.drift_probe_sequences > 0:
-                    # rows spread over the micro-batch (several groups); copies: a view would keep the
-                    # whole micro-batch alive
-                    rows = torch.arange(0, mb.input_ids.shape[0], device=device)
-                    rows = rows[:: max(1, len(rows) // cfg.drift_probe_sequences)][
-                        : cfg.drift_probe_sequences
-                    ]
-                    self._probe = (
-                        mb.input_ids[rows],
-                        mb.attention_mask[rows],
-                        mb.completion_mask[rows],
-                        logp.detach()[rows],
-                        keep,
-                    )
+                if self._probe is None:
+                    self._probe = self._take_probe(mb, logp, keep)
                 completion_mask = self._check_behaviour(logp, mb, gaps, allowance)
                 excluded += int((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
                 ref_logp = None
@@ -283,6 +271,23 @@ class Learner:
             bound = limit if allowance is None else limit + allowance[mb.group_index.cpu()].to(sums.device)
             keep = (sums <= bound * counts.clamp(min=1)).to(mask.dtype)
         return mask * keep.unsqueeze(1)
+
+    def _take_probe(self, mb: Batch, logp: torch.Tensor, keep: int) -> tuple[Any, ...] | None:
+        """Up to ``drift_probe_sequences`` rows of ``mb`` spread over it (several groups), with their
+        log-probs before the update, for ``measure_drift``; copies, since a view would keep the whole
+        micro-batch alive. None when the probe is off."""
+        k = self.config.drift_probe_sequences
+        if k <= 0:
+            return None
+        rows = torch.arange(mb.input_ids.shape[0], device=mb.input_ids.device)
+        rows = rows[:: max(1, len(rows) // k)][:k]
+        return (
+            mb.input_ids[rows],
+            mb.attention_mask[rows],
+            mb.completion_mask[rows],
+            logp.detach()[rows],
+            keep,
+        )
 
     def measure_drift(self) -> float | None:
         """How far the last ``compute_gradients`` batch's update moved the policy: the mean |log-prob change|

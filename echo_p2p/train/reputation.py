@@ -69,8 +69,8 @@ class ReputationConfig(BaseModel):
 
 @dataclass
 class _Sender:
+    recent: deque[bool]  # its last ``recent_groups`` groups: strike or not (a deque with that maxlen)
     strikes: deque[float] = field(default_factory=deque)  # wall-clock times of strikes within the window
-    recent: deque[bool] = field(default_factory=deque)  # its last ``recent_groups`` groups: strike or not
     checked: int = 0
     failed: int = 0
 
@@ -97,7 +97,7 @@ class Reputation:
         with self._lock:
             stats = self._senders.get(sender)
             if stats is None:
-                stats = self._senders[sender] = _Sender()
+                stats = self._senders[sender] = _Sender(deque(maxlen=self.config.recent_groups))
                 while len(self._senders) > self.config.max_tracked:
                     self._senders.popitem(last=False)
             self._senders.move_to_end(sender)
@@ -105,8 +105,6 @@ class Reputation:
             self.checked += 1
             strike = gap > limit + allowance
             stats.recent.append(strike)
-            while len(stats.recent) > self.config.recent_groups:
-                stats.recent.popleft()
             if not strike:
                 return False
             stats.failed += 1

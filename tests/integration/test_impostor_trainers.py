@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from echo_p2p.metrics import read_metrics
-from tests.conftest import read_log, wait_until
+from tests.conftest import read_log, wait_until, write_run_record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +40,6 @@ def identity_below(tmp_path, bound: str, name: str):
 
 def test_impostor_and_ghost_trainers_neither_publish_nor_receive_rollouts(procs, tmp_path):
     from echo_p2p.config import NetworkConfig
-    from echo_p2p.net import run_record as rr
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
@@ -53,20 +51,7 @@ def test_impostor_and_ghost_trainers_neither_publish_nor_receive_rollouts(procs,
     trainer = load_or_create_identity(str(tmp_path / "trainer.id"))
     impostor = identity_below(tmp_path, trainer.peer_id, "impostor")
     ghost = identity_below(tmp_path, trainer.peer_id, "ghost")
-    now = time.time()
-    record = rr.RunRecord(
-        run_id=run_id,
-        owner_key=owner.public_key_bytes().decode(),
-        trainers=[trainer.peer_id],
-        serial=1,
-        issued_at=now,
-        expires_at=now + 3600,
-        model="tiny",
-        task="count",
-        mode="async",
-    )
-    record_file = tmp_path / "run.record"
-    rr.write_file(record_file, *rr.sign(record, owner))
+    record_file = write_run_record(tmp_path / "run.record", run_id, owner, [trainer.peer_id])
 
     _, maddr = procs.bootstrap("--run-record", str(record_file))
     metrics = tmp_path / "metrics"

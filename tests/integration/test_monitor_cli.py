@@ -14,13 +14,12 @@ import time
 import pytest
 
 from echo_p2p.config import NetworkConfig
-from echo_p2p.net import run_record as rr
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import start_dht, stop_dht
 from echo_p2p.net.records import Ban, BanRecord, PeerRecord, PolicyRecord
-from tests.conftest import LOOPBACK, read_log, wait_until
+from tests.conftest import LOOPBACK, read_log, wait_until, write_run_record
 
 pytestmark = pytest.mark.timeout(180)
 RUN = "mon-run"
@@ -62,20 +61,7 @@ def test_bootstrap_and_monitor_cli_serve_the_runs_alerts_from_real_records(procs
     owner = load_or_create_identity(str(tmp_path / "owner.id"))
     trainer = load_or_create_identity(str(tmp_path / "trainer.id"))
     impostor = load_or_create_identity(str(tmp_path / "impostor.id"))
-    now = time.time()
-    record = rr.RunRecord(
-        run_id=RUN,
-        owner_key=owner.public_key_bytes().decode(),
-        trainers=[trainer.peer_id],
-        serial=1,
-        issued_at=now,
-        expires_at=now + 3600,
-        model="tiny",
-        task="count",
-        mode="async",
-    )
-    record_file = tmp_path / "run.bin"
-    rr.write_file(record_file, *rr.sign(record, owner))
+    record_file = write_run_record(tmp_path / "run.bin", RUN, owner, [trainer.peer_id])
     boot, maddr = procs.bootstrap("--run-record", str(record_file), "--monitor-port", "0")
     boot_url = url_in_log(boot, "the bootstrap's monitor URL")
     first = wait_until(lambda: api_status(boot_url), 30, what="the bootstrap monitor's first status")
