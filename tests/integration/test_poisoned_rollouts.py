@@ -76,9 +76,12 @@ def test_a_poisoning_stranger_is_refused_then_banned_and_the_run_keeps_learning(
         if "senders" in x
     ]
     assert senders and senders[-1]["banned"] == 1 and senders[-1]["groups_over_gap"] >= 3, senders[-1:]
-    # it got in at most its share of the buffer (capacity / (active senders + 1)) before the ban dropped it
-    capacity = steps[-1]["buffer"]["size"] + steps[-1]["buffer"]["free_room"]
-    assert seen.get("accepted", 0) <= capacity // 2 + 3 * 16, seen
+    # banned in the training step that judged its third made-up group: how many of its groups were
+    # accepted before that depends on how long they waited in the buffer (time), not on the rule; the
+    # groups waiting when it was banned were dropped
+    judged = [x["senders"] for x in steps if "senders" in x]
+    first = next(i for i, x in enumerate(judged) if x["groups_over_gap"] >= 3)
+    assert judged[first]["banned"] >= 1, judged[max(0, first - 1) : first + 1]
     assert all(s.get("nonfinite_skipped", 0) == 0 for s in steps)  # the loss stayed finite throughout
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] >= 20 and summary["reward_final"] > summary["reward_first"] + 0.05, summary
