@@ -88,26 +88,19 @@ class BootstrapPeer:
 
     def _start_monitor(self, run_id: str) -> None:
         """Serve the monitor page of ``run_id`` from this node (trust: the run record it keeps, if any)."""
-        from echo_p2p.monitor.poller import Poller
-        from echo_p2p.monitor.server import MonitorServer
-        from echo_p2p.net.directory import SwarmDirectory
-        from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.monitor.embedded import serve_embedded
         from echo_p2p.transport.trust import RunTrust
 
         record = self._run_record[2] if self._run_record is not None else None
         trust = RunTrust(owner=record.owner_peer_id(), run_id=run_id) if record is not None else RunTrust()
-        directory = SwarmDirectory(self.dht, SwarmKeys(run_id), self.identity)
-        # no connection count: a bootstrap's node holds the records itself, alone or not
-        poller = Poller(directory, run_id, trust, self.monitor_config)
-        server = MonitorServer(poller.start(), self.monitor_config)
-        self._monitor = (server, poller)
-        try:
-            url = server.start()
+        try:  # no connection count: a bootstrap's node holds the records itself, alone or not
+            server, poller, url = serve_embedded(self.dht, self.identity, run_id, trust, self.monitor_config)
         except OSError as exc:  # a busy port: a start error (run_peer prints it, exit 1)
             config = self.monitor_config
             raise ValueError(
                 f"cannot serve the monitor on {config.host}:{config.port}: {exc.strerror}"
             ) from None
+        self._monitor = (server, poller)
         print(f"monitor of run {run_id}: {url}", flush=True)
 
     def run(self) -> None:

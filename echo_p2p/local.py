@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail
-from echo_p2p.report import Runs, progress_line, reward_reached, write_report
+from echo_p2p.report import Runs, print_report, progress_line, reward_reached
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 #: Peer flags a model brings to a local run, before ``--peer-args`` (which override them). SmolLM2-135M
@@ -43,6 +43,7 @@ class LocalSwarmConfig:
 
     run_id: str = "local"
     trainers: int = 1
+    trainer_delay: float = 0.0  # seconds between two trainers' starts: later ones join a running run
     inference: int = 2
     mode: str = "async"
     duration: float = 60.0  # seconds; 0 = until Ctrl-C
@@ -80,22 +81,27 @@ class LocalSwarm:
         self.bootstrap_maddr: str | None = None
         self.owner: str | None = None  # peer id of this run's owner key (signs the run record)
         self.started_at = time.time()
+        self._spawn_lock = threading.Lock()  # late trainers start from a timer thread
 
-    def _spawn(self, name: str, *args: str, nice: int = 0) -> Child:
-        log = self.workdir / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            preexec_fn=(lambda: lower_priority(nice)) if nice else None,
-            stdout=open(log, "wb"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
-        )
-        child = Child(name, proc, log)
-        self.children.append(child)
-        return child
+    def _spawn(self, name: str, *args: str, nice: int = 0) -> Child | None:
+        """Start a child in a session of its own; None once shutting down (a late trainer must not start
+        after ``shutdown`` has collected the children to stop)."""
+        with self._spawn_lock:
+            if self.stop_event.is_set() and self.children:
+                return None
+            log = self.workdir / "logs" / f"{name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                preexec_fn=(lambda: lower_priority(nice)) if nice else None,
+                stdout=open(log, "wb"),
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+            )
+            self.children.append(Child(name, proc, log))
+            return self.children[-1]
 
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +150,8 @@ class LocalSwarm:
             *self._model_flags(),
             *self.config.extra_peer_args,
         ]
-        for i in range(self.config.trainers):
+
+        def trainer(i: int) -> None:
             self._spawn(
                 f"trainer-{i}",
                 *("-m", "echo_p2p.peer", "--role", "trainer", *common),
@@ -153,6 +160,19 @@ class LocalSwarm:
                 *("--identity-path", str(self.workdir / "identities" / f"trainer-{i}.id")),
                 *("--checkpoint-dir", str(self.workdir / "checkpoints" / f"trainer-{i}")),
             )
+
+        delay = self.config.trainer_delay
+        for i in range(self.config.trainers if not delay else 1):
+            trainer(i)
+        if delay and self.config.trainers > 1:  # the others join the running run, one every `delay` s
+
+            def late() -> None:
+                for i in range(1, self.config.trainers):
+                    if self.stop_event.wait(delay):
+                        return
+                    trainer(i)
+
+            threading.Thread(target=late, name="late-trainers", daemon=True).start()
         for i in range(self.config.inference):
             self._spawn(
                 f"inference-{i}",
@@ -223,6 +243,8 @@ class LocalSwarm:
 
     def shutdown(self, grace: float = 15.0) -> None:
         """SIGTERM every child (peers first, bootstrap last), then SIGKILL what is left of its group."""
+        with self._spawn_lock:
+            self.stop_event.set()  # no late trainer starts from now on
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -295,25 +317,18 @@ def watch(swarm: LocalSwarm) -> int:
 
 
 def start_monitor(swarm: LocalSwarm, dht, keys, identity) -> tuple:
-    """Serve the run's monitor page (``echo_p2p.monitor``) on 127.0.0.1 from this process's DHT node, with
-    the run owner's trust; prints its URL. Returns ``(server, poller)`` to stop."""
+    """Serve the run's monitor page on 127.0.0.1 from this process's DHT node, with the run owner's trust;
+    prints its URL. Returns ``(server, poller)`` to stop."""
     from echo_p2p.monitor.config import MonitorConfig
-    from echo_p2p.monitor.poller import Poller
-    from echo_p2p.monitor.server import MonitorServer
-    from echo_p2p.net.directory import SwarmDirectory
+    from echo_p2p.monitor.embedded import serve_embedded
     from echo_p2p.net.node import neighbour_counts
     from echo_p2p.transport.trust import RunTrust
 
     config = MonitorConfig(port=swarm.config.monitor_port, poll_period=2.0)
     trust = RunTrust(owner=swarm.owner, run_id=swarm.config.run_id)
-    directory = SwarmDirectory(dht, keys, identity, request_timeout=5.0)
-    poller = Poller(directory, swarm.config.run_id, trust, config, lambda: neighbour_counts(dht)[1]).start()
-    server = MonitorServer(poller, config)
-    try:
-        url = server.start()
-    except (OSError, TimeoutError):
-        poller.stop()
-        raise
+    server, poller, url = serve_embedded(
+        dht, identity, swarm.config.run_id, trust, config, lambda: neighbour_counts(dht)[1]
+    )
     print(f"monitor: {url}", flush=True)
     return server, poller
 
@@ -353,22 +368,7 @@ def report_end(swarm: LocalSwarm) -> None:
         if config.colocated
         else f"{config.mode}, {config.trainers} trainer(s), {config.inference} inference"
     )
-    title = f"{config.task} on {config.model} ({what})"
-    try:
-        written = write_report(swarm.workdir / "metrics", swarm.workdir, title, start=swarm.started_at)
-    except Exception as exc:  # a report must never hide the run's own exit code
-        print(f"could not write the report: {exc}", file=sys.stderr)
-        return
-    if written["summary"] is None:
-        print("summary: no training step was taken", flush=True)
-        return
-    from echo_p2p.report import RunSummary
-
-    summary = RunSummary(**written["summary"])
-    print("summary:", flush=True)
-    for line in summary.lines():
-        print(f"  {line}", flush=True)
-    print(f"  metrics {written['summary_path']}; plot {written.get('plot_path', '-')}", flush=True)
+    print_report(swarm.workdir, f"{config.task} on {config.model} ({what})", swarm.started_at)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--run-id", default=d.run_id)
     parser.add_argument("--trainers", type=int, default=d.trainers, help="number of trainer peers")
+    parser.add_argument(
+        "--trainer-delay",
+        type=float,
+        default=d.trainer_delay,
+        help="start the trainers this many seconds apart: later ones join a running run (default 0)",
+    )
     parser.add_argument(
         "--inference",
         type=int,
@@ -435,8 +441,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         validate_run_id(args.run_id)
-        if args.trainers < 1 or args.inference < 0 or args.duration < 0 or args.status_period <= 0:
-            raise ValueError("need --trainers >= 1, --inference >= 0, --duration >= 0, --status-period > 0")
+        if min(args.trainers - 1, args.inference, args.duration, args.trainer_delay) < 0:
+            raise ValueError("need --trainers >= 1 and --inference, --duration, --trainer-delay >= 0")
+        if args.status_period <= 0:
+            raise ValueError("need --status-period > 0")
         if args.threads < 1:
             raise ValueError("need --threads >= 1")
         if not 0 <= args.monitor_port <= 65535 or (args.monitor and args.colocated):
@@ -449,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     config = LocalSwarmConfig(
         run_id=args.run_id,
         trainers=args.trainers,
+        trainer_delay=args.trainer_delay,
         inference=args.inference,
         mode=args.mode,
         task=args.task,

@@ -11,6 +11,7 @@ matplotlib is imported only by ``plot_reward``, with the non-interactive Agg bac
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,22 @@ def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | No
     if curves:
         written["plot_path"] = str(plot_reward(curves, out_dir / "reward.png", title))
     return written
+
+
+def print_report(workdir: Path, title: str, started_at: float) -> None:
+    """Write the report of the run whose metrics are in ``workdir/metrics`` (``write_report``) and print its
+    summary; an error is printed, never raised (a report must not hide the run's own exit code)."""
+    workdir = Path(workdir)
+    try:
+        written = write_report(workdir / "metrics", workdir, title, start=started_at)
+    except Exception as exc:
+        print(f"could not write the report: {exc}", file=sys.stderr)
+        return
+    if written["summary"] is None:
+        print("summary: no training step was taken", flush=True)
+        return
+    summary = RunSummary(**written["summary"])
+    print("summary:", flush=True)
+    for line in summary.lines():
+        print(f"  {line}", flush=True)
+    print(f"  metrics {written['summary_path']}; plot {written.get('plot_path', '-')}", flush=True)

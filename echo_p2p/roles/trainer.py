@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from collections import Counter
@@ -31,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the async loop waits on the buffer before counting the time as idle and looking again.
 TAKE_WAIT = 0.5
+#: Seconds without a batch after which a trainer behind the other trainers downloads their state (it cannot
+#: step: rollouts of versions it has not reached are refused), and the fewest seconds between two attempts.
+CATCH_UP_IDLE = 2.0
+CATCH_UP_EVERY = 5.0
 
 
 class TrainerPeer(BasePeer):
@@ -45,7 +48,8 @@ class TrainerPeer(BasePeer):
         self.rollouts_consumed = 0
         self.skipped_batches = 0  # batches dropped for a non-finite loss or gradient
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
-        self.rejected: Counter[str] = Counter()
+        self.catch_ups = 0  # state downloads while idle and behind the other trainers
+        self._catch_up_at = -float("inf")  # monotonic time the last catch-up attempt ended
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
         self.publish_seconds = 0.0
@@ -64,9 +68,8 @@ class TrainerPeer(BasePeer):
         self.loop = None
         self.ingest = None
         self.guard = None  # roles.trainer_guard.SenderGuard: log-prob checks and bans
-        self.sample_client = None
+        self.intake = None  # sync mode: the SyncIntake that collects each batch
         self.checkpoints = None
-        self._rng = random.Random(self.section.seed)
         self._stopping = threading.Event()
 
     # ---- setup ------------------------------------------------------------------------------------------
@@ -187,12 +190,16 @@ class TrainerPeer(BasePeer):
             self.accepts_rollouts = True
             self.free_buffer_room = self.buffer.free_room()
         else:
+            from echo_p2p.roles.trainer_intake import SyncIntake
             from echo_p2p.transport.rollout_pull import SampleClient
 
             self.buffer = None
             self.guard = SenderGuard(section.reputation, self.peer_id, None, self.trust)
-            self.sample_client = SampleClient(
+            client = SampleClient(
                 self.loop, self.directory, section.sample_client, namespace, is_banned=self.guard.is_banned
+            )
+            self.intake = SyncIntake(
+                client, self.validator, self.task, self.config, self.stop_event, self.prefix()
             )
         if not self.trust.configured:
             logger.warning(
@@ -214,6 +221,7 @@ class TrainerPeer(BasePeer):
     def work(self) -> None:
         self._work_started = time.monotonic()
         pending: list = []
+        idle_since: float | None = None
         while not self.stop_event.is_set():
             if self.section.max_steps is not None and self.steps >= self.section.max_steps:
                 logger.info("%s reached max_steps=%d; stopping", self.prefix(), self.section.max_steps)
@@ -222,11 +230,14 @@ class TrainerPeer(BasePeer):
             if self.config.mode == "async":
                 batch, pending = self._take_async(pending)
             else:
-                batch = self._collect_sync()
+                batch = self.intake.collect(self.policy_version or 0)
             self.idle_seconds += time.monotonic() - t0
             if batch is None:
+                idle_since = t0 if idle_since is None else idle_since
+                self._maybe_catch_up(idle_since)
                 self._maybe_publish()  # a version skipped while a publish was in flight goes out now
                 continue
+            idle_since = None
             self._train(batch)
         self.stop_event.set()
 
@@ -240,46 +251,6 @@ class TrainerPeer(BasePeer):
         if len(pending) < self.section.prompts_per_step:
             return None, pending
         return pending, []
-
-    def _collect_sync(self) -> list | None:
-        from echo_p2p.train.buffer import ScoredGroup
-        from echo_p2p.train.ingest import Rejection
-
-        version = self.policy_version or 0
-        scored: list[ScoredGroup] = []
-
-        def accept(group) -> bool:
-            result = self.validator.validate(group, version)
-            if isinstance(result, Rejection):
-                self.rejected[result.reason] += 1
-                return False
-            scored.append(result)
-            return True
-
-        self.sample_client.accept = accept
-        prompt_ids = self.task.sample_prompt_ids(self._rng, self.section.prompts_per_step)
-        try:
-            self.sample_client.collect(
-                self.task.name,
-                prompt_ids,
-                self.config.run.group_size,
-                version,
-                timeout=self.section.sync_timeout,
-                max_new_tokens=self.config.run.max_new_tokens or 0,
-            )
-        except Exception as exc:  # no inference peer yet, all of them failed: wait and ask again
-            logger.info("%s sync collection failed: %s", self.prefix(), exc)
-            self.stop_event.wait(1.0)
-            return None
-        if len(scored) < self.section.prompts_per_step:
-            logger.info(
-                "%s got %d/%d groups at version %d before the deadline",
-                self.prefix(),
-                len(scored),
-                self.section.prompts_per_step,
-                version,
-            )
-        return scored or None
 
     def _train(self, batch: list) -> None:
         t0 = time.monotonic()
@@ -333,6 +304,33 @@ class TrainerPeer(BasePeer):
         extra = {"rollouts_consumed": self.rollouts_consumed, "version": self.policy_version}
         self.trackers.log({**self.last_stats, **extra}, self.steps)
 
+    def _maybe_catch_up(self, idle_since: float) -> None:
+        """Idle for ``CATCH_UP_IDLE`` s while the other trainers are ahead: download their state now
+        (``CollabTrainerStep.catch_up``) rather than wait for a step that rollouts of our version would
+        bring, since nobody samples at a version the publisher has left behind."""
+        now = time.monotonic()
+        if now - idle_since < CATCH_UP_IDLE or now - self._catch_up_at < CATCH_UP_EVERY:
+            return
+        before = self._stepper.version
+        try:
+            loaded = self._stepper.catch_up()
+        finally:
+            self._catch_up_at = time.monotonic()
+        if not loaded:
+            return
+        self.catch_ups += 1
+        after = self._stepper.version
+        # the downloaded weights are not ours moved by an update: the drift over the span is unknown
+        self.guard.drift.record(before, after, None)
+        if not params_finite(self.model):
+            self._recover_nonfinite()
+            return
+        self.policy_version = after
+        if self.buffer is not None:
+            self.buffer.drop_stale(after)
+        logger.info("%s caught up with the other trainers: version %d -> %d", self.prefix(), before, after)
+        self._maybe_publish()
+
     def _recover_nonfinite(self) -> None:
         """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or
         stop with an error rather than publish or train on broken weights."""
@@ -361,7 +359,9 @@ class TrainerPeer(BasePeer):
             entries = list(self.directory.peers())
         except Exception:
             entries = []
-        return elect_publisher(self.peer_id, [e.record for e in entries], self.trust)
+        return elect_publisher(
+            self.peer_id, [e.record for e in entries], self.trust, self.policy_version or 0
+        )
 
     def on_heartbeat(self) -> None:
         self._update_publisher_role()
@@ -453,6 +453,7 @@ class TrainerPeer(BasePeer):
             "publisher": self.is_publisher,
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
+            "catch_ups": self.catch_ups,
             "peak_rss_mib": peak_rss_mib(),
         }
         if self.buffer is not None:
@@ -465,8 +466,8 @@ class TrainerPeer(BasePeer):
             out["senders"] = self.guard.stats()
         if self.ingest is not None:
             out["rejected"] = dict(self.ingest.stats().get("rejected", {}))
-        elif self.rejected:
-            out["rejected"] = dict(self.rejected)
+        elif self.intake is not None and self.intake.rejected:
+            out["rejected"] = dict(self.intake.rejected)
         return out
 
     def figures(self) -> dict[str, Any]:

@@ -63,19 +63,31 @@ def peak_rss_mib() -> float | None:
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
 
 
-def elect_publisher(peer_id: str, records, trust) -> bool:
-    """Whether ``peer_id`` publishes: the running trusted trainer with the smallest peer id does, the same
-    choice on every trainer.
+#: Versions a trainer may trail the newest trusted trainer and still be elected publisher: two trainers that
+#: average together are one epoch apart at most, and records are a heartbeat old.
+PUBLISHER_SLACK = 2
+
+
+def elect_publisher(peer_id: str, records, trust, version: int | None = None) -> bool:
+    """Whether ``peer_id`` (holding ``version``) publishes: among the running trusted trainers that are not
+    behind the newest one (by more than ``PUBLISHER_SLACK`` versions), the one with the smallest peer id
+    does, the same choice on every trainer.
 
     Trusted: listed by the run record or the trusted-trainers file (``trust``; None: everyone); a record
     that only says ``role: trainer`` takes no part, so an impostor (or a ghost record it left) cannot
-    silence the run's publisher. A trainer that is not trusted itself never publishes.
+    silence the run's publisher. A trainer that is not trusted itself never publishes. Not behind: a
+    trainer that joins a running run (or fell behind) leaves publishing to one that holds the newest
+    version until it has caught up, so no older version is announced in between.
     """
     if trust is not None and not trust.is_trusted(peer_id):
         return False
-    trainers = [
-        r.peer_id
+    held = {
+        r.peer_id: r.policy_version or 0
         for r in records
         if r.role == "trainer" and r.state == "running" and (trust is None or trust.is_trusted(r.peer_id))
-    ]
-    return min([*trainers, peer_id]) == peer_id
+    }
+    if version is not None or peer_id not in held:
+        held[peer_id] = version or 0  # our own version is newer than our record's
+    newest = max(held.values())
+    eligible = [p for p, v in held.items() if v >= newest - PUBLISHER_SLACK]
+    return peer_id in eligible and min(eligible) == peer_id

@@ -361,6 +361,13 @@ class CollabTrainerStep:
         model holds the swarm's final parameters of this version: call before a checkpoint or a result."""
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
+    def catch_up(self) -> bool:
+        """For a trainer with nothing to train on: when other trainers are ahead (or the last round asked
+        for a download), load their state now (``SyncedOptimizer.catch_up``). True when a state was loaded;
+        ``version`` then says where this trainer stands."""
+        catch_up = getattr(self.optimizer, "catch_up", None)
+        return bool(catch_up()) if catch_up is not None else False
+
     def batch_size_of(self, groups: Sequence[ScoredGroup]) -> int:
         if self.batch_unit == "groups":
             return len(groups)

@@ -277,6 +277,27 @@ class SyncedOptimizer(hivemind.Optimizer):
             return True
         return super()._should_load_state_from_peers()
 
+    # ---- catching up while idle ----
+    def behind_swarm(self) -> bool:
+        """True when another trainer reports a later epoch than ours, or our last epoch asked for a state
+        download that no step has done yet."""
+        return self._must_resync or self.tracker.global_epoch > self.local_epoch
+
+    def catch_up(self) -> bool:
+        """Download the swarm's state now, outside ``step``, when ``behind_swarm``: for a trainer that has
+        nothing to step on *because* it is behind (an async trainer refuses rollouts of versions it has not
+        reached; a sync trainer asks for a version nobody serves any more), ``step`` would never come.
+        True when a state was loaded."""
+        if not self.behind_swarm():
+            return False
+        self._must_resync = False
+        logger.info(
+            "trainer at epoch %d is behind the swarm (epoch %d): downloading the state",
+            self.local_epoch,
+            self.tracker.global_epoch,
+        )
+        return self.load_state_from_peers()
+
     # ---- bounded state download ----
     def load_state_from_peers(self, **kwargs: Any) -> bool:
         """Download the state (parameters, optimizer statistics, epoch, sync token) from the peer with the

@@ -133,42 +133,34 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     time.sleep(0.1)
 
 
-def test_two_trainers_advance_together_and_exactly_one_publishes(tmp_path):
+def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tmp_path):
+    """The second trainer starts 20 s into the run, versions behind: it must download the other's state
+    (rollouts of versions it has not reached are refused, so no step would ever bring it there), train
+    in step with it, and leave publishing to the trainer that holds the newest version meanwhile."""
     workdir = tmp_path / "run2"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "echo_p2p.local",
-            "--trainers",
-            "2",
-            "--inference",
-            "1",
-            "--duration",
-            "45",
-            "--status-period",
-            "15",
-            "--workdir",
-            str(workdir),
-        ],
+        [sys.executable, "-m", "echo_p2p.local", "--trainers", "2", "--trainer-delay", "20"]
+        + ["--inference", "1", "--duration", "60", "--status-period", "15", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    last: dict[str, dict] = {}
+    runs = []
     for path in (workdir / "metrics").glob("trainer-*.jsonl"):
-        steps = [x for x in read_metrics(str(path)) if "step" in x]
+        lines = read_metrics(str(path))
+        steps = [x for x in lines if "step" in x]
         assert steps, f"{path.name} never trained"
-        last[path.name] = steps[-1]
-    assert len(last) == 2
-    versions = [x["version"] for x in last.values()]
-    assert min(versions) >= 8 and max(versions) - min(versions) <= 2, (
-        versions
-    )  # one optimizer epoch = version
-    assert sorted(x["publisher"] for x in last.values()) == [False, True], "exactly one trainer publishes"
+        runs.append((lines[0]["time"], steps))
+    assert len(runs) == 2
+    (_, early), (_, late) = sorted(runs, key=lambda run: run[0])
+    assert late[0]["version"] >= 5, late[0]  # its first step came after a catch-up, not from version 0
+    assert late[-1]["catch_ups"] >= 1 and late[-1]["steps"] >= 5, late[-1]
+    versions = [early[-1]["version"], late[-1]["version"]]
+    assert min(versions) >= 8 and max(versions) - min(versions) <= 2, versions
+    assert sorted(x[-1]["publisher"] for x in (early, late)) == [False, True], "exactly one trainer publishes"
     logs = "".join((workdir / "logs" / f"trainer-{i}.log").read_text() for i in range(2))
-    assert "publishes policy versions" in logs and "stands by" in logs
+    assert "publishes policy versions" in logs and "stands by" in logs and "caught up" in logs
     inference = [x for p in (workdir / "metrics").glob("inference-*.jsonl") for x in read_metrics(str(p))]
     assert max(x["version"] or 0 for x in inference) >= 5  # the inference peer follows the one publisher
 

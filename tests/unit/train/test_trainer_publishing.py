@@ -128,3 +128,25 @@ def test_the_smallest_running_trusted_trainer_is_elected_publisher():
     assert not elect_publisher(c, records, trust)
     assert not elect_publisher(ghost, records, trust)  # an untrusted trainer never publishes
     assert elect_publisher(ghost, records, None)  # without trust, every announcement counts
+
+
+def test_a_trainer_behind_the_newest_leaves_publishing_to_one_that_holds_it():
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord
+    from echo_p2p.roles.trainer_weights import PUBLISHER_SLACK, elect_publisher
+    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+    late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
+    records = [
+        PeerRecord(peer_id=early, role="trainer", policy_version=15),
+        PeerRecord(peer_id=late, role="trainer", policy_version=0),  # joined a running run
+    ]
+    assert not elect_publisher(late, records, trust, version=0)  # smallest id, but 15 versions behind
+    assert elect_publisher(early, records, trust, version=15)
+    # caught up (its own version is newer than its record's): the smallest id publishes again, and the
+    # other trainer stands by once the late one's record says so (a heartbeat later)
+    assert elect_publisher(late, records, trust, version=15 - PUBLISHER_SLACK)
+    records[1] = PeerRecord(peer_id=late, role="trainer", policy_version=15 - PUBLISHER_SLACK)
+    assert not elect_publisher(early, records, trust, version=15)
+    assert elect_publisher(late, records[1:], trust)  # alone in the directory: it publishes what it holds

@@ -44,7 +44,9 @@ class _Fake(SyncedOptimizer):
 
     def __init__(self, peer_id: str, epoch: int, token: str, num_peers: int) -> None:  # no super(): no swarm
         self.dht = SimpleNamespace(peer_id=peer_id)
-        self.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=num_peers))
+        self.tracker = SimpleNamespace(
+            global_progress=SimpleNamespace(num_peers=num_peers), global_epoch=epoch
+        )
         self.state_averager = SimpleNamespace(local_epoch=epoch, sync_tag=None)
         self.sync_token, self.in_sync, self._must_resync, self._round_tags = token, False, False, None
         self.sync_stats = dict(agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0)
@@ -90,3 +92,38 @@ def test_a_failed_round_with_peers_resyncs_and_a_lone_trainer_does_not() -> None
     missing = _Fake("A", 2, "t", 2)
     missing.transition({"B": (2, "t")})  # a gathered dict without us counts as a failed round
     assert missing._must_resync
+
+
+class _Downloading(_Fake):
+    """Records the state downloads ``catch_up`` asks for; each one lands on ``donor_epoch`` (or fails)."""
+
+    def __init__(self, epoch: int, global_epoch: int, donor_epoch: int | None) -> None:
+        super().__init__("A", epoch, "t", 2)
+        self.tracker.global_epoch = global_epoch
+        self.donor_epoch, self.downloads = donor_epoch, 0
+
+    def load_state_from_peers(self, **kwargs) -> bool:
+        self.downloads += 1
+        if self.donor_epoch is None:
+            return False
+        self.state_averager.local_epoch = self.donor_epoch
+        return True
+
+
+def test_an_idle_trainer_behind_the_swarm_catches_up_and_one_level_with_it_does_not() -> None:
+    behind = _Downloading(epoch=6, global_epoch=12, donor_epoch=12)
+    assert behind.behind_swarm() and behind.catch_up()
+    assert behind.downloads == 1 and behind.local_epoch == 12 and not behind.behind_swarm()
+    assert not behind.catch_up() and behind.downloads == 1  # level with the swarm: nothing to do
+
+    level = _Downloading(epoch=6, global_epoch=6, donor_epoch=6)
+    assert not level.behind_swarm() and not level.catch_up() and level.downloads == 0
+    level.transition(None)  # a failed round among two trainers asks for a download at the next chance
+    level.tracker.global_epoch = level.local_epoch
+    assert level.behind_swarm() and level.catch_up() and level.downloads == 1
+    assert not level._must_resync
+
+    failing = _Downloading(epoch=6, global_epoch=9, donor_epoch=None)  # nobody serves the state
+    assert not failing.catch_up() and failing.downloads == 1
+    assert failing.behind_swarm()  # still behind: the trainer tries again later
+    assert not failing.catch_up() and failing.downloads == 2
