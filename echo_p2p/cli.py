@@ -39,6 +39,20 @@ def add_network_flags(parser: argparse.ArgumentParser, *, host_default_help: str
         help="multiaddrs to tell others (e.g. your public IP and forwarded port; env ECHO_ANNOUNCE_MADDRS)",
     )
     group.add_argument(
+        "--reachability",
+        choices=["auto", "public", "private"],
+        default=None,
+        help="whether others can dial this node: auto (default for peers: AutoNAT tells; behind NAT the node "
+        "is reached through a relay), public (default for a bootstrap) or private",
+    )
+    group.add_argument(
+        "--relays",
+        nargs="*",
+        metavar="MADDR",
+        default=None,
+        help="relays to be reached through when behind NAT (default: the initial peers; none: no relay)",
+    )
+    group.add_argument(
         "--identity-path",
         metavar="FILE",
         default=None,
@@ -59,6 +73,8 @@ def network_flags(args: argparse.Namespace) -> dict[str, object]:
         "network.host_maddrs": args.host_maddrs,
         "network.announce_maddrs": args.announce_maddrs,
         "network.identity_path": args.identity_path,
+        "network.reachability": args.reachability,
+        "network.relays": args.relays,
         "network.startup_timeout": args.startup_timeout,
     }
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
 from echo_p2p.net.keys import validate_run_id
+from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.reputation import ReputationConfig
@@ -39,96 +40,8 @@ class ConfigError(ValueError):
     """Invalid configuration: the message names the field and what is wrong with it."""
 
 
-_MADDR_PROTOCOLS = {  # protocol -> takes a value
-    "ip4": True,
-    "ip6": True,
-    "dns": True,
-    "dns4": True,
-    "dns6": True,
-    "dnsaddr": True,
-    "tcp": True,
-    "udp": True,
-    "p2p": True,
-    "ipfs": True,
-    "quic": False,
-    "quic-v1": False,
-    "ws": False,
-    "wss": False,
-    "p2p-circuit": False,
-    "tls": False,
-    "noise": False,
-}
-
-
-def _check_maddr(value: str, *, need_peer_id: bool = False) -> str:
-    """Light syntax check of a multiaddr (no hivemind import: config parsing must stay instant)."""
-    import ipaddress
-
-    if not isinstance(value, str) or not value.startswith("/"):
-        raise ValueError(f"{value!r} is not a multiaddr (expected e.g. /ip4/203.0.113.5/tcp/31337/p2p/Qm...)")
-    parts = value.split("/")[1:]
-    names = []
-    i = 0
-    while i < len(parts):
-        name = parts[i]
-        if name not in _MADDR_PROTOCOLS:
-            raise ValueError(f"{value!r} is not a multiaddr: unknown protocol {name!r}")
-        names.append(name)
-        if _MADDR_PROTOCOLS[name]:
-            if i + 1 >= len(parts) or not parts[i + 1]:
-                raise ValueError(f"{value!r} is not a multiaddr: /{name} needs a value")
-            arg = parts[i + 1]
-            try:
-                if name == "ip4":
-                    ipaddress.IPv4Address(arg)
-                elif name == "ip6":
-                    ipaddress.IPv6Address(arg)
-                elif name in ("tcp", "udp") and not 0 <= int(arg) <= 65535:
-                    raise ValueError("port out of range")
-            except ValueError as exc:
-                raise ValueError(f"{value!r} is not a multiaddr: bad /{name} value {arg!r} ({exc})") from None
-            i += 2
-        else:
-            i += 1
-    if need_peer_id and not ({"p2p", "ipfs"} & set(names)):
-        raise ValueError(f"{value!r} has no /p2p/<peer id> part: copy the full address the bootstrap printed")
-    return value
-
-
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class NetworkConfig(StrictModel):
-    """How a node joins the swarm: addresses, identity and deadlines."""
-
-    initial_peers: list[str] = Field(
-        default_factory=list, description="Multiaddrs of known peers (a bootstrap), each ending in /p2p/<id>"
-    )
-    host_maddrs: list[str] = Field(
-        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="Multiaddrs to listen on"
-    )
-    announce_maddrs: list[str] = Field(
-        default_factory=list,
-        description="Multiaddrs others should dial (e.g. a public IP behind port forwarding)",
-    )
-    identity_path: str | None = Field(
-        default=None, description="Private key file; created when missing; keeps the peer id across restarts"
-    )
-    startup_timeout: float = Field(default=30.0, gt=0, le=600, description="Deadline (s) to start and join")
-    request_timeout: float = Field(
-        default=10.0, gt=0, le=300, description="Deadline (s) of one DHT read/write"
-    )
-
-    @field_validator("initial_peers")
-    @classmethod
-    def _initial_peers(cls, value: list[str]) -> list[str]:
-        return [_check_maddr(v, need_peer_id=True) for v in value]
-
-    @field_validator("host_maddrs", "announce_maddrs")
-    @classmethod
-    def _maddrs(cls, value: list[str]) -> list[str]:
-        return [_check_maddr(v) for v in value]
 
 
 class RunSettings(StrictModel):
@@ -372,8 +285,11 @@ class BootstrapConfig(StrictModel):
     """A bootstrap peer (``python -m echo_p2p.bootstrap``): a long-lived DHT node that newcomers dial first."""
 
     network: NetworkConfig = Field(
-        default_factory=lambda: NetworkConfig(host_maddrs=[f"/ip4/0.0.0.0/tcp/{PUBLIC_BOOTSTRAP_PORT}"]),
-        description="Listening addresses (default: all interfaces, TCP 31337), identity, other bootstraps",
+        default_factory=lambda: NetworkConfig(
+            host_maddrs=[f"/ip4/0.0.0.0/tcp/{PUBLIC_BOOTSTRAP_PORT}"], reachability="public"
+        ),
+        description="Listening addresses (default: all interfaces, TCP 31337), identity, other bootstraps; "
+        "reachable by definition (reachability public: it relays for peers behind NAT from the start)",
     )
     maddrs_file: str | None = Field(
         default=None, description="Write the visible multiaddrs here, one per line"

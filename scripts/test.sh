@@ -3,6 +3,8 @@
 # Sets up .venv on first use. Extra arguments go to pytest.
 # The monitor's browser tests need Chromium: run as root, this installs Debian's `chromium` package when it is
 # missing (ECHO_NO_BROWSER_INSTALL=1 turns that off); without it those tests skip with the install line.
+# The NAT tests (tests/netlab.py: network namespaces, nftables masquerade) need root and nftables: installed
+# the same way (ECHO_NO_NETLAB_INSTALL=1 turns that off); without root they skip with the reason.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
@@ -12,6 +14,13 @@ if [ "${ECHO_NO_BROWSER_INSTALL:-0}" != "1" ] && [ "$(id -u)" = "0" ] && ! comma
   { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
     || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; } \
     || echo "[test] could not install chromium: the browser tests will skip" >&2
+fi
+if [ "${ECHO_NO_NETLAB_INSTALL:-0}" != "1" ] && [ "$(id -u)" = "0" ] && ! command -v nft >/dev/null \
+  && command -v apt-get >/dev/null; then
+  echo "[test] installing nftables for the NAT tests (ECHO_NO_NETLAB_INSTALL=1 skips this)" >&2
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 nftables >/dev/null \
+    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 nftables >/dev/null; }; } \
+    || echo "[test] could not install nftables: the NAT tests will skip" >&2
 fi
 cd "$ROOT"
 "$ROOT/.venv/bin/ruff" check echo_p2p tests benchmarks

@@ -68,6 +68,7 @@ def start_dht(
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
+    from echo_p2p.net.reachability import relay_options
     from echo_p2p.net.records import rules_validator, schema_validator
 
     if not client_mode:
@@ -89,6 +90,8 @@ def start_dht(
     )
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = list(network.announce_maddrs)
+    if not client_mode:  # a reader (monitor, swarm status) dials out only: it needs no relay
+        kwargs.update(relay_options(network.relay_addresses, network.reachability))
     dht = hivemind.DHT(**kwargs)
     _guard_pipes(dht)
     dht.start()

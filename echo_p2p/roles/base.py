@@ -23,7 +23,8 @@ from echo_p2p.metrics import MetricsWriter
 from echo_p2p.net.directory import SwarmDirectory, wait_for
 from echo_p2p.net.identity import Identity, load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
-from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht, visible_maddrs
+from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
+from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import PeerRecord, SignedRunRecord
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class BasePeer:
         self.dht = None
         self.directory: SwarmDirectory | None = None
         self.metrics = MetricsWriter(config.metrics_dir, self.role, self.identity.peer_id)
-        self.maddrs: list[str] = []
+        self.maddrs: list[str] = []  # what others can dial (net.reachability), re-read on each announcement
+        self.reach: Reachability | None = None
+        self.reachability = "unreachable"
         self.announcements_failed = 0
         self.exit_code = 0  # what the CLI exits with once the peer stopped (a role sets 1 on a fatal error)
         self.trust = None  # transport.trust.RunTrust: whom this peer takes for the run's trainers
@@ -96,7 +99,8 @@ class BasePeer:
         self.directory = SwarmDirectory(
             self.dht, self.keys, self.identity, self.config.network.request_timeout
         )
-        self.maddrs = visible_maddrs(self.dht)
+        self.reach = Reachability(self.dht, self.config.network.initial_peers)
+        self.maddrs, self.reachability = self.reach.current()
         self.trust = self._make_trust()
         self._keep_run_record()
         if self.trust.owner is not None and not wait_for(self.refresh_trust, RUN_RECORD_WAIT, period=1.0):
@@ -214,6 +218,8 @@ class BasePeer:
         return status_prefix(self.peer_id, self.role, self.policy_version)
 
     def record(self, state: str = "running") -> PeerRecord:
+        if self.reach is not None:
+            self.maddrs, self.reachability = self.reach.current()
         return PeerRecord(
             protocol=PROTOCOL_VERSION,
             peer_id=self.peer_id,
@@ -259,7 +265,8 @@ class BasePeer:
             table, connected = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
         except (Exception, GeneratorExit, asyncio.CancelledError):
             table = connected = -1
-        figures = {"dht_neighbours": table, "connections": connected, **self.figures()}
+        figures = {"dht_neighbours": table, "connections": connected, "reachability": self.reachability}
+        figures.update(self.figures())
         self.metrics.write(self.policy_version, **figures)
         logger.info(
             "%s %s",

@@ -79,6 +79,7 @@ class InferencePeer(BasePeer):
             self.trust,
             FetcherConfig(serve=section.serve_weights, poll_period=section.weights_poll_period),
             on_progress=self.on_weights_progress,
+            reach=self.reach,
         ).start()
         self.loop = P2PLoop.from_dht(self.dht)
         namespace = rollout_namespace(self.keys)

@@ -140,7 +140,7 @@ class TrainerPeer(BasePeer):
         self.policy_version = self._stepper.version
 
         self.publisher = WeightPublisher(
-            self.dht, self.identity, self.keys, PublisherConfig(encoding=section.encoding)
+            self.dht, self.identity, self.keys, PublisherConfig(encoding=section.encoding), reach=self.reach
         ).start()
         self.loop = P2PLoop.from_dht(self.dht)
         namespace = rollout_namespace(self.keys)

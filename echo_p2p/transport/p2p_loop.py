@@ -83,12 +83,12 @@ class P2PLoop:
         with ``strict`` a failed dial raises, so that the caller can count it against that peer."""
         if peer_id in self._dialed or peer_id == self.peer_id:
             return
-        from hivemind.utils.multiaddr import Multiaddr
+        from echo_p2p.net.reachability import daemon_maddr
 
         addrs = []
         for text in maddrs:
-            try:  # the daemon dials transport addresses: drop the /p2p/<id> suffix of announced ones
-                addrs.append(Multiaddr(text.split("/p2p/", 1)[0]))
+            try:  # the daemon dials transport (or relayed) addresses, without the target's /p2p/ part
+                addrs.append(daemon_maddr(text))
             except Exception:  # a bad address in a record: skip it
                 continue
         try:

@@ -28,7 +28,7 @@ from typing import Any
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
-from echo_p2p.net.node import visible_maddrs
+from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.trust import TrustedTrainers, check_manifest
@@ -71,6 +71,7 @@ class WeightFetcher:
         trusted: TrustedTrainers,
         config: FetcherConfig | None = None,
         endpoint: WeightsEndpoint | None = None,
+        reach: Reachability | None = None,
         on_progress: Callable[[FetchProgress], None] | None = None,
     ):
         self.dht = dht
@@ -101,13 +102,14 @@ class WeightFetcher:
         self._resume: dict[str, VersionAssembler] = {}  # partial stores of the last failed fetch
         self._partial: list[str] = []
         self._stream_id: str | None = None
-        self._maddrs: list[str] = []
+        self.reach = reach  # this node's announced addresses (set in start() when None)
         self._session: _FetchSession | None = None
 
     # ---- public API -----------------------------------------------------------------------------------
     def start(self) -> WeightFetcher:
         self.endpoint.start()
-        self._maddrs = visible_maddrs(self.dht)
+        if self.reach is None:
+            self.reach = Reachability(self.dht)
         if self.config.serve:
             self._spawn(self._announce_loop, "provider-announcer")
         return self
@@ -445,7 +447,7 @@ class WeightFetcher:
             peer_id=self.identity.peer_id,
             versions=sorted({e.manifest.version for e in complete})[-64:],
             encodings=sorted({e.manifest.encoding for e in complete}),
-            maddrs=self._maddrs,
+            maddrs=self.reach.current()[0] if self.reach is not None else [],
             stream_id=self._stream_id,
             manifests=[e.digest for e in complete],
             partial=self._partial[:16],
@@ -463,6 +465,8 @@ class WeightFetcher:
         """Store this peer's ProviderRecord now (done by itself after each change and on a heartbeat)."""
         if not self.config.serve:
             return False
+        if self.reach is not None and self.reach.current()[1] == "unreachable":
+            return False  # nobody could dial us: offering chunks would only cost others failed dials
         with self._announce_lock:
             try:
                 return self.directory.announce_provider(self._provider_record(), self.config.record_ttl)

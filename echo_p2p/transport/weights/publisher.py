@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
-from echo_p2p.net.node import visible_maddrs
+from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import MAX_RECORD_TTL, ManifestRef, PolicyRecord
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightsEndpoint
 from echo_p2p.weights import EncodingConfig, Manifest, WeightEncoder
@@ -58,6 +58,7 @@ class WeightPublisher:
         keys: SwarmKeys,
         config: PublisherConfig | None = None,
         endpoint: WeightsEndpoint | None = None,
+        reach: Reachability | None = None,
     ):
         self.dht = dht
         self.identity = identity
@@ -82,7 +83,7 @@ class WeightPublisher:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._maddrs: list[str] = []
+        self.reach = reach  # this node's announced addresses (set in start() when None)
 
     @property
     def library(self):
@@ -94,7 +95,8 @@ class WeightPublisher:
 
     def start(self) -> WeightPublisher:
         self.endpoint.start()
-        self._maddrs = visible_maddrs(self.dht)
+        if self.reach is None:
+            self.reach = Reachability(self.dht)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="policy-announcer", daemon=True)
         self._heartbeat.start()
         return self
@@ -169,7 +171,7 @@ class WeightPublisher:
             version=max(e.manifest.version for e in self._chain),
             keyframe_version=max(keyframes) if keyframes else None,
             manifests=refs,
-            maddrs=self._maddrs,
+            maddrs=self.reach.current()[0] if self.reach is not None else [],
             updated_at=time.time(),
         )
 

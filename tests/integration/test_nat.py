@@ -1,0 +1,114 @@
+"""Home inference peers behind NAT, on an emulated internet (``tests/netlab.py``): real network namespaces,
+nftables masquerade routers with no port forward, 20 Mbit/s uplinks; the bootstrap and the trainer in public.
+
+With no flag, each home peer finds out (AutoNAT) that nobody can dial it, reserves a slot on the bootstrap's
+relay, announces only its relayed address, follows the policy, pushes rollouts, and serves weight chunks to
+the other home peer through the relay; no fetch pays a failed dial on a private address.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_run_record
+from tests.netlab import NetLab, skip_reason
+
+SKIP = skip_reason()
+pytestmark = [pytest.mark.netlab, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+RUN = "natlab"
+
+
+def last_lines(metrics: Path, role: str) -> dict[str, dict]:
+    """The newest metrics line of every peer of ``role`` (peer id -> line)."""
+    out = {}
+    for path in metrics.glob(f"{role}-*.jsonl"):
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        if lines:
+            out[lines[-1]["peer_id"]] = lines[-1]
+    return out
+
+
+def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(tmp_path):
+    from echo_p2p.net.identity import load_or_create_identity
+
+    metrics, logs = tmp_path / "metrics", tmp_path / "logs"
+    logs.mkdir()
+    owner = load_or_create_identity(str(tmp_path / "owner.id"))
+    trainer_id = load_or_create_identity(str(tmp_path / "trainer.id"))
+    record = write_run_record(tmp_path / "run.bin", RUN, owner, [trainer_id.peer_id])
+    with NetLab() as lab:
+        boot_host, trainer_host = lab.public_host("bootstrap"), lab.public_host("trainer")
+        homes = [lab.home_host(f"home{i}", uplink_mbit=20, downlink_mbit=100) for i in (1, 2)]
+        maddrs_file = tmp_path / "bootstrap.maddrs"
+        boot = lab.spawn(
+            boot_host,
+            [
+                sys.executable,
+                "-m",
+                "echo_p2p.bootstrap",
+                "--host-maddrs",
+                f"/ip4/{boot_host.address}/tcp/31337",
+            ]
+            + ["--maddrs-file", str(maddrs_file), "--run-record", str(record)],
+            logs / "bootstrap.log",
+        )
+        deadline = time.monotonic() + 60
+        while not maddrs_file.exists():
+            assert boot.poll() is None and time.monotonic() < deadline, (logs / "bootstrap.log").read_text()
+            time.sleep(0.2)
+        bootstrap = next(m for m in maddrs_file.read_text().split() if boot_host.address in m)
+        common = ["--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--metrics-dir", str(metrics), "--threads", "1"]
+        common += ["--heartbeat-period", "2"]
+        procs = {
+            "trainer": lab.spawn(
+                trainer_host,
+                [sys.executable, "-m", "echo_p2p.peer", "--role", "trainer", "--run-id", RUN, *common]
+                + ["--initial-peers", bootstrap, "--run-record", str(record)]
+                + ["--identity-path", trainer_id.path],
+                logs / "trainer.log",
+            )
+        }
+        for i, home in enumerate(homes):
+            procs[home.name] = lab.spawn(
+                home,
+                [sys.executable, "-m", "echo_p2p.peer", "--role", "inference", *common]
+                + ["--join", f"{RUN}:{owner.peer_id}@{bootstrap}", "--seed", str(i)],
+                logs / f"{home.name}.log",
+            )
+
+        def served_each_other() -> tuple[bool, dict]:
+            peers = last_lines(metrics, "inference")
+            trainers = last_lines(metrics, "trainer")
+            ids = set(peers)
+            ok = (
+                len(peers) == 2
+                and all(p["reachability"] == "relayed" for p in peers.values())
+                and any(set(p["weights"]["bytes_by_provider"]) & (ids - {pid}) for pid, p in peers.items())
+                and all(
+                    (p.get("version") or 0) >= 5 and p.get("rollouts_acked", 0) > 0 for p in peers.values()
+                )
+                and any(t.get("rollouts_consumed", 0) > 0 for t in trainers.values())
+            )
+            return ok, {"inference": peers, "trainer": trainers}
+
+        deadline = time.monotonic() + 180
+        ok, state = served_each_other()
+        while not ok and time.monotonic() < deadline:
+            for name, proc in procs.items():
+                assert proc.poll() is None, f"{name} exited: " + (logs / f"{name}.log").read_text()[-3000:]
+            time.sleep(2)
+            ok, state = served_each_other()
+        assert ok, json.dumps(state, indent=1)[-6000:]
+
+        for peer_id, line in state["inference"].items():
+            # it announced only what others can dial: its relayed address, never a private or loopback one
+            logged = (logs / "home1.log").read_text() + (logs / "home2.log").read_text()
+            assert "all dials failed" not in logged
+            failures = line["weights"]["failures"]
+            assert not failures, (peer_id, failures)  # no fetch paid a failed dial
