@@ -24,6 +24,7 @@ from echo_p2p.net.directory import SwarmDirectory, wait_for
 from echo_p2p.net.identity import Identity, load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
+from echo_p2p.net.peer_cache import PeerCache
 from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import PeerRecord, SignedRunRecord
 
@@ -56,6 +57,8 @@ class BasePeer:
         self.metrics = MetricsWriter(config.metrics_dir, self.role, self.identity.peer_id)
         self.maddrs: list[str] = []  # what others can dial (net.reachability), re-read on each announcement
         self.reach: Reachability | None = None
+        self.peer_cache = PeerCache.next_to(self.config.network.identity_path)
+        self._remembered: list[str] = []
         self.reachability = "unreachable"
         self.announcements_failed = 0
         self.exit_code = 0  # what the CLI exits with once the peer stopped (a role sets 1 on a fatal error)
@@ -95,11 +98,15 @@ class BasePeer:
     def start(self) -> None:
         """Start the DHT node, join the run and announce; raises ``NodeStartError`` on failure."""
         t0 = time.monotonic()
-        self.dht = start_dht(self.config.network, self.identity, [self.keys])
+        network = self.config.network
+        cached = [m for m in self.peer_cache.load() if m not in network.initial_peers]
+        if cached:  # peers met before: the run can be joined through them when every bootstrap is down
+            network = network.model_copy(update={"initial_peers": [*network.initial_peers, *cached]})
+        self.dht = start_dht(network, self.identity, [self.keys])
         self.directory = SwarmDirectory(
             self.dht, self.keys, self.identity, self.config.network.request_timeout
         )
-        self.reach = Reachability(self.dht, self.config.network.initial_peers)
+        self.reach = Reachability(self.dht, network.initial_peers)
         self.maddrs, self.reachability = self.reach.current()
         self.trust = self._make_trust()
         self._keep_run_record()
@@ -255,10 +262,35 @@ class BasePeer:
                 if time.monotonic() >= next_metrics:
                     next_metrics = time.monotonic() + self.config.metrics_period
                     self._status()
+                    self._remember_peers()
             except (Exception, GeneratorExit, asyncio.CancelledError):
                 # hivemind's futures can raise BaseExceptions (a GeneratorExit out of a DHT call under a
                 # flood killed this thread for good): none of them may end the peer's announcements
                 logger.exception("%s heartbeat failed; will retry", self.prefix())
+
+    def _remember_peers(self) -> None:
+        """Keep the addresses of the bootstraps and of peers met that others can dial directly, next to
+        the identity (``net.peer_cache``): the next start joins through them if every bootstrap is down."""
+        if self.peer_cache.path is None or self.directory is None:
+            return
+        trainers, others = [], []
+        try:
+            entries = list(self.directory.peers())
+        except Exception as exc:  # a DHT read that failed: the cache keeps what it had
+            logger.debug("%s reading peers for the cache failed: %r", self.prefix(), exc)
+            return
+        for entry in entries:
+            record = entry.record
+            if record.state != "running" or any("/p2p-circuit" in m for m in record.maddrs):
+                continue
+            trusted = (
+                record.role == "trainer" and self.trust is not None and self.trust.is_trusted(record.peer_id)
+            )
+            (trainers if trusted else others).extend(record.maddrs)
+        chosen = self.peer_cache.choose(self.config.network.initial_peers, trainers, others, self.peer_id)
+        if chosen != self._remembered:
+            self._remembered = chosen
+            self.peer_cache.save(chosen)
 
     def _status(self) -> None:
         try:

@@ -49,6 +49,7 @@ class TrainerPeer(BasePeer):
         self.skipped_batches = 0  # batches dropped for a non-finite loss or gradient
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
         self.catch_ups = 0  # state downloads while idle and behind the other trainers
+        self.versions_published = 0
         self._catch_up_at = -float("inf")  # monotonic time the last catch-up attempt ended
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
@@ -306,8 +307,7 @@ class TrainerPeer(BasePeer):
 
     def _maybe_catch_up(self, idle_since: float) -> None:
         """Idle for ``CATCH_UP_IDLE`` s while the other trainers are ahead: download their state now
-        (``CollabTrainerStep.catch_up``) rather than wait for a step that rollouts of our version would
-        bring, since nobody samples at a version the publisher has left behind."""
+        (``CollabTrainerStep.catch_up``); nobody samples at a version the publisher has left behind."""
         now = time.monotonic()
         if now - idle_since < CATCH_UP_IDLE or now - self._catch_up_at < CATCH_UP_EVERY:
             return
@@ -402,6 +402,7 @@ class TrainerPeer(BasePeer):
         self.publish_seconds += time.monotonic() - t0
         self._published_version = version
         self._published_at = t0
+        self.versions_published += 1
 
     def _publish_done(self) -> None:
         future, self._publishing = self._publishing, None
@@ -454,8 +455,13 @@ class TrainerPeer(BasePeer):
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
             "catch_ups": self.catch_ups,
+            "versions_published": self.versions_published,
             "peak_rss_mib": peak_rss_mib(),
         }
+        if self.publisher is not None:  # what this trainer's uplink carried of the versions it published
+            uploaded = self.publisher.servicer.stats.bytes_served
+            out["bytes_uploaded"] = uploaded
+            out["bytes_uploaded_per_version"] = round(uploaded / max(1, self.versions_published))
         if self.buffer is not None:
             stats = self.buffer.stats().as_dict()
             out["buffer"] = {

@@ -63,15 +63,16 @@ def peak_rss_mib() -> float | None:
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
 
 
-#: Versions a trainer may trail the newest trusted trainer and still be elected publisher: two trainers that
-#: average together are one epoch apart at most, and records are a heartbeat old.
-PUBLISHER_SLACK = 2
+#: Versions a trainer's announced version may trail the newest one and still be elected publisher: trainers
+#: that average together are one epoch apart, but their records are up to a heartbeat old each, and a fast
+#: run (the tiny model: ~3 versions/s) moves several versions per heartbeat.
+PUBLISHER_SLACK = 10
 
 
 def elect_publisher(peer_id: str, records, trust, version: int | None = None) -> bool:
-    """Whether ``peer_id`` (holding ``version``) publishes: among the running trusted trainers that are not
-    behind the newest one (by more than ``PUBLISHER_SLACK`` versions), the one with the smallest peer id
-    does, the same choice on every trainer.
+    """Whether ``peer_id`` (holding ``version``) publishes: among the running trusted trainers whose records
+    are not behind the newest one (by more than ``PUBLISHER_SLACK`` versions), the one with the smallest peer
+    id does, the same choice on every trainer.
 
     Trusted: listed by the run record or the trusted-trainers file (``trust``; None: everyone); a record
     that only says ``role: trainer`` takes no part, so an impostor (or a ghost record it left) cannot
@@ -86,8 +87,8 @@ def elect_publisher(peer_id: str, records, trust, version: int | None = None) ->
         for r in records
         if r.role == "trainer" and r.state == "running" and (trust is None or trust.is_trusted(r.peer_id))
     }
-    if version is not None or peer_id not in held:
-        held[peer_id] = version or 0  # our own version is newer than our record's
+    if peer_id not in held:  # not announced yet: what we hold. Otherwise every trainer compares the same
+        held[peer_id] = version or 0  # records (a heartbeat old), so they all make the same choice
     newest = max(held.values())
     eligible = [p for p, v in held.items() if v >= newest - PUBLISHER_SLACK]
     return peer_id in eligible and min(eligible) == peer_id

@@ -93,14 +93,43 @@ def fresh_token() -> str:
 
 
 class _TaggedGradientAverager(GradientAverager):
-    """Sends the optimizer's sync tag with every gradient round (hivemind's all-gather)."""
+    """Sends the optimizer's sync tag with every gradient round (hivemind's all-gather), and reports a round
+    whose averages arrived only in part as *not agreed* for this member.
+
+    hivemind finishes an all-reduce in which some part's average never reached a member by keeping that
+    member's own values for the part (``TensorPartContainer.register_failed_reducer``, logged as "Averaging:
+    received 48.7% results") and reports success: that member then applies other gradients than the rest
+    of its group under the same epoch. Seen as a 4e-3 parameter difference between two trainers whose every
+    round had "agreed". Such a member's own entry in the round's gathered tags is replaced by a marker no
+    tag parses to, so ``SyncedOptimizer._after_epoch`` finds it off the reference and it downloads the state.
+    (This runs in the averager's child process; the gathered dict is what reaches the trainer's process.)"""
 
     tag_fn: Any = None
+    PARTIAL = {"partial": True}
 
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any):
         if self.tag_fn is not None and "gather" not in kwargs:
             kwargs["gather"] = self.tag_fn()
         return super().schedule_step(scheduled_time, **kwargs)
+
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        partial = getattr(self, "_partial_groups", set())
+        if group_info.group_id in partial:
+            partial.discard(group_info.group_id)
+            gathered = {**gathered, self.peer_id: self.PARTIAL}
+        return gathered
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Any, group_info: Any, group_id: Any = None, **kwargs: Any
+    ):
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = self._running_groups[group_id].result()
+        if getattr(getattr(runner, "tensor_part_container", None), "failed_size", 0):
+            if not hasattr(self, "_partial_groups"):
+                self._partial_groups: set = set()
+            self._partial_groups.add(group_info.group_id)
 
 
 class _TaggedStateAverager(TrainingStateAverager):

@@ -38,6 +38,7 @@ def trainer(mode: str, **section) -> TrainerPeer:
     peer._published_version = None
     peer._publishing = None
     peer._published_at = -float("inf")
+    peer.versions_published = 0
     peer.policy_version = 0
     return peer
 
@@ -52,7 +53,7 @@ def test_sync_publishes_every_version_in_line():
     for v in range(3):
         peer.policy_version = v
         peer._maybe_publish()
-    assert peer.publisher.published == [0, 1, 2]
+    assert peer.publisher.published == [0, 1, 2] and peer.versions_published == 3
 
 
 def test_async_publishes_in_the_background_one_at_a_time_newest_next():
@@ -138,15 +139,20 @@ def test_a_trainer_behind_the_newest_leaves_publishing_to_one_that_holds_it():
 
     late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
     trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
+    newest = 40
     records = [
-        PeerRecord(peer_id=early, role="trainer", policy_version=15),
+        PeerRecord(peer_id=early, role="trainer", policy_version=newest),
         PeerRecord(peer_id=late, role="trainer", policy_version=0),  # joined a running run
     ]
-    assert not elect_publisher(late, records, trust, version=0)  # smallest id, but 15 versions behind
-    assert elect_publisher(early, records, trust, version=15)
-    # caught up (its own version is newer than its record's): the smallest id publishes again, and the
-    # other trainer stands by once the late one's record says so (a heartbeat later)
-    assert elect_publisher(late, records, trust, version=15 - PUBLISHER_SLACK)
-    records[1] = PeerRecord(peer_id=late, role="trainer", policy_version=15 - PUBLISHER_SLACK)
-    assert not elect_publisher(early, records, trust, version=15)
-    assert elect_publisher(late, records[1:], trust)  # alone in the directory: it publishes what it holds
+    assert not elect_publisher(late, records, trust, version=0)  # smallest id, but 40 versions behind
+    assert elect_publisher(early, records, trust, version=newest)
+    # both judge by the records alone (a heartbeat old), so they agree whatever each holds right now
+    assert not elect_publisher(late, records, trust, version=newest) and elect_publisher(
+        early, records, trust, 45
+    )
+    # caught up and announced: the smallest id publishes again, the other stands by
+    records[1] = PeerRecord(peer_id=late, role="trainer", policy_version=newest - PUBLISHER_SLACK)
+    assert elect_publisher(late, records, trust, version=newest)
+    assert not elect_publisher(early, records, trust, version=newest)
+    assert elect_publisher(late, records[1:], trust, version=0)  # alone in the directory: it publishes
+    assert elect_publisher(late, records[:1], trust, version=0) is False  # not announced yet: its own version

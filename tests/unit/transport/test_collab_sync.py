@@ -127,3 +127,16 @@ def test_an_idle_trainer_behind_the_swarm_catches_up_and_one_level_with_it_does_
     assert not failing.catch_up() and failing.downloads == 1
     assert failing.behind_swarm()  # still behind: the trainer tries again later
     assert not failing.catch_up() and failing.downloads == 2
+
+
+def test_a_member_whose_averages_arrived_only_in_part_is_off_the_reference_and_downloads() -> None:
+    from echo_p2p.transport.collab_sync import _TaggedGradientAverager, parse_tag
+
+    a, b = _Fake("A", 4, "t", 2), _Fake("B", 4, "t", 2)
+    full = {"A": (4, "t"), "B": (4, "t")}
+    marked = {"A": (4, "t"), "B": parse_tag(_TaggedGradientAverager.PARTIAL)}  # B's own view of the round
+    a.transition(dict(full))
+    b.transition(marked)
+    assert a.in_sync and not a._must_resync and a.sync_stats["agreed"] == 1
+    assert not b.in_sync and b._must_resync and b.sync_stats["diverged"] == 1
+    assert b.sync_token != a.sync_token  # never served as A's lineage
