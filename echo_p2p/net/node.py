@@ -132,16 +132,30 @@ class _WholeMessageReceiver:
     """The receiving end in the DHT's child: its event loop watches the pipe with libuv, which makes the
     descriptor non-blocking, so a ``recv`` that starts before the sender has written the whole message
     fails half-way (EAGAIN, which hivemind logs and skips) and leaves the rest of the message in the
-    pipe, to be read as the start of the next one. Receiving in blocking mode reads whole messages."""
+    pipe, to be read as the start of the next one. Receiving in blocking mode reads whole messages.
+
+    A whole message that cannot be unpickled is dropped, not raised: every command carries an ``MPFuture``
+    whose pipe end is unpickled by fetching the descriptor from the *sender's* process, and a sender that
+    exited meanwhile (an averager child at ``optimizer.shutdown``) made that fail with ``EOFError`` and
+    killed the DHT child; every later DHT call of the peer then waited forever (seen in the lone-trainer
+    test, 1 fresh-clone run in 2). Nobody waits for that command's answer: its sender is gone."""
 
     def __init__(self, conn) -> None:
         self._conn = conn
+        self.dropped = 0
 
     def recv(self):
         import os
+        from multiprocessing.reduction import ForkingPickler
 
         os.set_blocking(self._conn.fileno(), True)
-        return self._conn.recv()
+        while True:
+            buf = self._conn.recv_bytes()  # a whole message, or EOFError when every sender is gone
+            try:
+                return ForkingPickler.loads(buf)
+            except Exception as exc:
+                self.dropped += 1
+                logger.warning("the DHT dropped a command it could not unpickle (sender gone?): %r", exc)
 
     def __getattr__(self, name):
         return getattr(self._conn, name)

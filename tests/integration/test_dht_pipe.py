@@ -49,3 +49,29 @@ def test_the_dht_child_survives_concurrent_large_commands():
         assert dht.store("k", "v", expiration_time=__import__("time").time() + 30)
     finally:
         stop_dht(dht)
+
+
+def _send_a_pipe_end_and_exit(conn, other) -> None:
+    # a command carrying a pipe end, as every MPFuture does: unpickling it fetches the descriptor from this
+    # process, which exits at once
+    conn.send(("command", other))
+
+
+def test_a_command_whose_sender_exited_is_dropped_and_the_next_one_is_read():
+    import multiprocessing as mp
+
+    from echo_p2p.net.node import _WholeMessageReceiver
+
+    ctx = mp.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    spare_r, spare_w = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_send_a_pipe_end_and_exit, args=(sender, spare_w))
+    child.start()
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    sender.send(("next", 42))
+    guarded = _WholeMessageReceiver(receiver)
+    assert guarded.recv() == ("next", 42)  # hivemind's own receive raised here and the DHT child died
+    assert guarded.dropped == 1
+    for end in (receiver, sender, spare_r, spare_w):
+        end.close()

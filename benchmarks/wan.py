@@ -1,0 +1,209 @@
+"""The tiny-model swarm on an emulated internet vs on loopback, side by side in one run.
+
+Arms (each a fresh swarm: bootstrap, one async trainer, ``--peers`` inference peers; tiny model, ``count``):
+
+* ``loopback``: every process on 127.0.0.1, as ``echo_p2p.local`` runs them;
+* ``nat``: the bootstrap and the trainer on a public segment, each inference peer at home behind its own NAT
+  router (nftables masquerade, no port forward) with a ``--uplink`` Mbit/s uplink and a ``--downlink`` Mbit/s
+  downlink (``tests/netlab.py``; needs root). Home peers find out they are unreachable, reserve a relay slot
+  on the bootstrap and serve chunks to each other through it.
+
+Figures over the last ``--window`` seconds of each arm (from the peers' own metrics, every 2 s): rollout
+groups consumed per second, trainer idle share, versions per second, the bytes the trainer uploads per
+version it published, the inference peers' mean version lag behind the trainer, the share of weight bytes
+they got from other inference peers (peer-assisted distribution) and their reachability.
+
+The tiny model's versions are ~0.1 MiB, far below what a 20 Mbit/s link carries per version: this measures
+that NAT traversal costs the loop nothing, not how a large model's versions spread over home links
+(docs/scaling.md has those figures from ``benchmarks/weights.py``).
+
+Run (root): ``python benchmarks/wan.py [--peers 2] [--seconds 70] [--window 40]
+[--out benchmarks/results/wan.json]`` (about 3 minutes). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import write_run_record  # noqa: E402
+from tests.netlab import NetLab, skip_reason  # noqa: E402
+
+RUN = "wanbench"
+
+
+class LoopbackHosts:
+    """The loopback arm's stand-in for a ``NetLab``: every host is this machine."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, host: Any, argv: list[str], log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            argv,
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=15)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from echo_p2p.net.identity import load_or_create_identity
+
+    workdir.mkdir(parents=True)
+    metrics, logs = workdir / "metrics", workdir / "logs"
+    logs.mkdir()
+    config = workdir / "peer.yaml"
+    config.write_text("metrics_period: 2\n")
+    owner = load_or_create_identity(str(workdir / "owner.id"))
+    trainer_id = load_or_create_identity(str(workdir / "trainer.id"))
+    record = write_run_record(workdir / "run.bin", RUN, owner, [trainer_id.peer_id])
+    lab: Any = NetLab().__enter__() if name == "nat" else LoopbackHosts()
+    try:
+        if name == "nat":
+            boot_host, trainer_host = lab.public_host("bootstrap"), lab.public_host("trainer")
+            homes = [lab.home_host(f"home{i}", args.uplink, args.downlink) for i in range(args.peers)]
+            listen, boot_listen = "/ip4/0.0.0.0/tcp/0", f"/ip4/{boot_host.address}/tcp/31337"
+        else:
+            boot_host = trainer_host = None
+            homes = [None] * args.peers
+            listen = boot_listen = "/ip4/127.0.0.1/tcp/0"
+        maddrs_file = workdir / "bootstrap.maddrs"
+        py = sys.executable
+        lab.spawn(
+            boot_host,
+            [py, "-m", "echo_p2p.bootstrap", "--host-maddrs", boot_listen, "--maddrs-file", str(maddrs_file)]
+            + ["--run-record", str(record)],
+            logs / "bootstrap.log",
+        )
+        deadline = time.monotonic() + 60
+        while not maddrs_file.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the bootstrap did not start: see {logs / 'bootstrap.log'}")
+            time.sleep(0.2)
+        boot = maddrs_file.read_text().split()[0]
+        if name == "nat":
+            boot = next(m for m in maddrs_file.read_text().split() if boot_host.address in m)
+        common = ["--config", str(config), "--host-maddrs", listen, "--metrics-dir", str(metrics)]
+        common += ["--threads", "1", "--heartbeat-period", "2"]
+        lab.spawn(
+            trainer_host,
+            [py, "-m", "echo_p2p.peer", "--role", "trainer", "--run-id", RUN, "--initial-peers", boot]
+            + ["--run-record", str(record), "--identity-path", trainer_id.path, *common],
+            logs / "trainer.log",
+        )
+        for i, home in enumerate(homes):
+            lab.spawn(
+                home,
+                [py, "-m", "echo_p2p.peer", "--role", "inference", "--join", f"{RUN}:{owner.peer_id}@{boot}"]
+                + ["--seed", str(i), *common],
+                logs / f"inference-{i}.log",
+            )
+        started = time.time()
+        time.sleep(args.seconds)
+        return summarize(metrics, started + args.seconds - args.window, started + args.seconds)
+    finally:
+        lab.close()
+
+
+def lines(path: Path, start: float, end: float) -> list[dict]:
+    out = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [x for x in out if start <= x["time"] <= end]
+
+
+def summarize(metrics: Path, start: float, end: float) -> dict[str, Any]:
+    trainer = [x for p in metrics.glob("trainer-*.jsonl") for x in lines(p, start, end)]
+    status = [x for x in trainer if "idle_fraction" in x]
+    if len(status) < 2:
+        raise RuntimeError("the trainer wrote fewer than two status lines in the window")
+    first, last = status[0], status[-1]
+    span = max(1e-9, last["time"] - first["time"])
+    out: dict[str, Any] = {
+        "consumed_per_s": (last["rollouts_consumed"] - first["rollouts_consumed"]) / span,
+        "versions_per_s": ((last["version"] or 0) - (first["version"] or 0)) / span,
+        "idle_fraction": last["idle_fraction"],
+        "trainer_bytes_per_version": last.get("bytes_uploaded_per_version"),
+    }
+    lags, from_peers, total, reach = [], 0, 0, set()
+    for path in metrics.glob("inference-*.jsonl"):
+        mine = lines(path, start, end)
+        if not mine:
+            continue
+        lags += [x["version_lag"] for x in mine if x.get("version_lag") is not None]
+        reach.add(mine[-1].get("reachability"))
+        by = mine[-1]["weights"]["bytes_by_provider"]
+        total += sum(by.values())
+        from_peers += sum(v for k, v in by.items() if k not in {x["peer_id"] for x in status})
+    out["version_lag_mean"] = sum(lags) / len(lags) if lags else None
+    out["bytes_from_peers_share"] = from_peers / total if total else None
+    out["reachability"] = sorted(r for r in reach if r)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=2, help="inference peers")
+    parser.add_argument("--seconds", type=float, default=70.0, help="length of each arm")
+    parser.add_argument("--window", type=float, default=40.0, help="measured window at the end of each arm")
+    parser.add_argument("--uplink", type=float, default=20.0, help="home uplink (Mbit/s)")
+    parser.add_argument("--downlink", type=float, default=100.0, help="home downlink (Mbit/s)")
+    parser.add_argument("--out", default=str(HERE / "results" / "wan.json"))
+    args = parser.parse_args()
+    reason = skip_reason()
+    if reason:
+        sys.exit(f"cannot run the nat arm: {reason}")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="echo-wan-") as tmp:
+        for arm in ("loopback", "nat"):
+            print(f"running the {arm} arm ({args.seconds:.0f} s)...", flush=True)
+            results[arm] = run_arm(arm, args, Path(tmp) / arm)
+    keys = ["consumed_per_s", "versions_per_s", "idle_fraction", "trainer_bytes_per_version"]
+    keys += ["version_lag_mean", "bytes_from_peers_share", "reachability"]
+    print(f"\n{'figure':28s} {'loopback':>14s} {'nat':>14s} {'nat / loopback':>15s}")
+    for key in keys:
+        a, b = results["loopback"][key], results["nat"][key]
+        ratio = f"{b / a:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else "-"
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+        print(f"{key:28s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>15s}")
+    report = {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "settings": vars(args),
+        "arms": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
