@@ -217,6 +217,35 @@ class CollabOptimizerConfig(BaseModel):
         return cls(**{**base, **overrides})
 
 
+def link_timeouts(
+    num_params: int, link_mbit: float, trainers: int = 2, compression: str = "float16"
+) -> dict[str, float]:
+    """``CollabOptimizerConfig`` deadlines under which a model of ``num_params`` parameters averages and
+    downloads its state over a ``link_mbit`` Mbit/s link (each way) among ``trainers`` trainers.
+
+    - a gradient round moves ``(trainers-1)/trainers`` of the gradients each way (hivemind's butterfly
+      all-reduce), fp16 or fp32: ``averaging_timeout`` is twice that transfer plus the matchmaking;
+    - a state download moves the fp32 parameters and AdamW's two moments (12 bytes per parameter):
+      ``load_state_timeout`` is 1.5 times that;
+    - matchmaking: 5 s once a round takes longer than a second (1 s, the loopback setting, below).
+    The values are rounded up to 10 s; ``docs/scaling.md`` has the table for SmolLM2 and a 7B model."""
+    rate = link_mbit * 1e6 / 8  # bytes per second
+    grad_bytes = num_params * (2 if compression == "float16" else 4) * (trainers - 1) / trainers
+    state_bytes = num_params * 12
+    transfer = grad_bytes / rate
+    matchmaking = 1.0 if transfer < 1.0 else 5.0
+
+    def up(seconds: float) -> float:
+        return float(max(10, -(-int(seconds) // 10) * 10))
+
+    return {
+        "matchmaking_time": matchmaking,
+        "request_timeout": 0.5 if matchmaking == 1.0 else 3.0,
+        "averaging_timeout": up(2 * transfer + matchmaking),
+        "load_state_timeout": up(1.5 * state_bytes / rate),
+    }
+
+
 def make_collab_optimizer(
     dht: hivemind.DHT,
     run_id: str,

@@ -274,6 +274,15 @@ class RolloutPusher:
                 # a trainer drains its buffer in well under its heartbeat: probe it again soon with one
                 # group (its ack carries the real room) instead of waiting for its next announcement
                 trainer.recheck_at = time.monotonic() + self.config.full_recheck
+            elif (
+                verdict.reason == Reason.FUTURE_VERSION.value and item.refusals + 1 < self.config.max_attempts
+            ):
+                # this trainer has not reached the group's version (it joined late or fell behind, and is
+                # catching up): another trainer takes the group, or this one once it has caught up
+                item.refusals += 1
+                requeue.append(item)
+                trainer.room, trainer.stamp = 0, time.time()
+                trainer.recheck_at = time.monotonic() + self.config.full_recheck
             elif _is_retryable(verdict.reason) and item.refusals + 1 < self.config.max_attempts:
                 item.refusals += 1
                 requeue.append(item)

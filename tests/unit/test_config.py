@@ -119,3 +119,19 @@ def test_shipped_peer_configs_are_valid(name):
 def test_shipped_bootstrap_config_is_valid():
     c = build_config(BootstrapConfig, yaml_path=str(REPO / "bootstrap" / "bootstrap.yaml"), environ={})
     assert c.network.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]
+
+
+def test_smollm2_trainer_deadlines_hold_on_a_20_mbit_link_and_the_tiny_ones_on_loopback():
+    from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS
+    from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig, link_timeouts
+
+    preset = {
+        k.rsplit(".", 1)[-1]: v for k, v in PRESET_TRAINER_DEFAULTS["smollm2"].items() if ".collab." in k
+    }
+    derived = link_timeouts(134_500_000, 20, compression=preset["compression"])
+    assert {k: preset[k] for k in derived} == derived
+    assert derived["load_state_timeout"] >= 1.5 * 134_500_000 * 12 / 2.5e6  # 1.6 GB at 2.5 MB/s, with margin
+    tiny = link_timeouts(134_000, 1000, compression="none")
+    defaults = CollabOptimizerConfig()
+    assert tiny["averaging_timeout"] <= defaults.averaging_timeout and tiny["load_state_timeout"] <= 60
+    CollabOptimizerConfig(**{k: v for k, v in preset.items() if k != "lr"})  # a valid config
