@@ -2,9 +2,10 @@
 nftables masquerade routers with no port forward, 20 Mbit/s uplinks; the bootstrap and the trainer in public.
 
 With no flag, each home peer finds out (AutoNAT) that nobody can dial it, reserves a slot on the bootstrap's
-relay, announces only its relayed address, follows the policy, pushes rollouts (the trainer, fed by them
-alone, learns), and serves weight chunks to the other home peer through the relay; no fetch pays a failed
-dial on a private address.
+relay, announces only its relayed address, follows the policy, delivers rollouts (async: pushes them; sync:
+the trainer asks it for samples through its relayed address) so that the trainer, fed by them alone,
+learns, and serves weight chunks to the other home peer through the relay; no fetch pays a failed dial on a
+private address.
 """
 
 from __future__ import annotations
@@ -35,14 +36,15 @@ def last_lines(metrics: Path, role: str) -> dict[str, dict]:
     return out
 
 
-def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(tmp_path, mode):
     from echo_p2p.net.identity import load_or_create_identity
 
     metrics, logs = tmp_path / "metrics", tmp_path / "logs"
     logs.mkdir()
     owner = load_or_create_identity(str(tmp_path / "owner.id"))
     trainer_id = load_or_create_identity(str(tmp_path / "trainer.id"))
-    record = write_run_record(tmp_path / "run.bin", RUN, owner, [trainer_id.peer_id])
+    record = write_run_record(tmp_path / "run.bin", RUN, owner, [trainer_id.peer_id], mode=mode)
     with NetLab() as lab:
         boot_host, trainer_host = lab.public_host("bootstrap"), lab.public_host("trainer")
         homes = [lab.home_host(f"home{i}", uplink_mbit=20, downlink_mbit=100) for i in (1, 2)]
@@ -65,7 +67,7 @@ def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(t
             time.sleep(0.2)
         bootstrap = next(m for m in maddrs_file.read_text().split() if boot_host.address in m)
         common = ["--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--metrics-dir", str(metrics), "--threads", "1"]
-        common += ["--heartbeat-period", "2"]
+        common += ["--heartbeat-period", "2", "--mode", mode]
         procs = {
             "trainer": lab.spawn(
                 trainer_host,
@@ -91,12 +93,17 @@ def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(t
                 len(peers) == 2
                 and all(p["reachability"] == "relayed" for p in peers.values())
                 and any(set(p["weights"]["bytes_by_provider"]) & (ids - {pid}) for pid, p in peers.items())
-                and all(
-                    (p.get("version") or 0) >= 5 and p.get("rollouts_acked", 0) > 0 for p in peers.values()
-                )
+                and all((p.get("version") or 0) >= 5 and delivered(p) > 0 for p in peers.values())
                 and learning()
             )
             return ok, {"inference": peers, "trainer": trainers}
+
+        def delivered(line: dict) -> int:
+            """Groups that reached the trainer: pushed and acked (async), or sampled on its request (sync:
+            the trainer reached the home peer through its relayed address)."""
+            if mode == "async":
+                return line.get("rollouts_acked", 0)
+            return (line.get("sample_rpc") or {}).get("groups_sent", 0)
 
         def learning() -> bool:
             """The trainer, fed only by the home peers, learns: its last 5 steps' mean reward is above its
