@@ -17,7 +17,10 @@ The tiny model's versions are ~0.1 MiB, far below what a 20 Mbit/s link carries 
 that NAT traversal costs the loop nothing, not how a large model's versions spread over home links
 (docs/scaling.md has those figures from ``benchmarks/weights.py``).
 
-Run (root): ``python benchmarks/wan.py [--peers 2] [--seconds 70] [--window 40]
+``--hidden H --layers L`` runs a random-init policy of that size instead (the tiny preset's architecture
+and tokenizer, wider and deeper), whose versions are large enough to load the home links.
+
+Run (root): ``python benchmarks/wan.py [--peers 2] [--seconds 70] [--window 40] [--hidden 256 --layers 4]
 [--out benchmarks/results/wan.json]`` (about 3 minutes). Prints a table and writes JSON.
 """
 
@@ -76,7 +79,33 @@ class LoopbackHosts:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def wide_policy(hidden: int, layers: int, directory: Path) -> Path:
+    """A random-init policy like the tiny preset but ``hidden`` wide and ``layers`` deep, saved where
+    ``--model-path`` loads it (its versions are what ``--hidden`` makes them: 2 bytes per parameter)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from echo_p2p.ml.models import TINY_ARCH, save_policy
+    from echo_p2p.ml.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    arch = {**TINY_ARCH, "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 4 * hidden}
+    arch.update(num_attention_heads=max(4, hidden // 64), head_dim=min(64, hidden // 4))
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **arch,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return save_policy(model.eval(), tokenizer, directory)
+
+
+def run_arm(name: str, args: argparse.Namespace, workdir: Path, model_path: Path | None) -> dict[str, Any]:
     from echo_p2p.net.identity import load_or_create_identity
 
     workdir.mkdir(parents=True)
@@ -86,7 +115,8 @@ def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
     config.write_text("metrics_period: 2\n")
     owner = load_or_create_identity(str(workdir / "owner.id"))
     trainer_id = load_or_create_identity(str(workdir / "trainer.id"))
-    record = write_run_record(workdir / "run.bin", RUN, owner, [trainer_id.peer_id])
+    model = model_path.name if model_path else "tiny"
+    record = write_run_record(workdir / "run.bin", RUN, owner, [trainer_id.peer_id], model=model)
     lab: Any = NetLab().__enter__() if name == "nat" else LoopbackHosts()
     try:
         if name == "nat":
@@ -115,6 +145,8 @@ def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
             boot = next(m for m in maddrs_file.read_text().split() if boot_host.address in m)
         common = ["--config", str(config), "--host-maddrs", listen, "--metrics-dir", str(metrics)]
         common += ["--threads", "1", "--heartbeat-period", "2"]
+        if model_path:
+            common += ["--model-path", str(model_path)]
         lab.spawn(
             trainer_host,
             [py, "-m", "echo_p2p.peer", "--role", "trainer", "--run-id", RUN, "--initial-peers", boot]
@@ -176,6 +208,10 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=40.0, help="measured window at the end of each arm")
     parser.add_argument("--uplink", type=float, default=20.0, help="home uplink (Mbit/s)")
     parser.add_argument("--downlink", type=float, default=100.0, help="home downlink (Mbit/s)")
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="a random-init policy this wide instead of the tiny preset"
+    )
+    parser.add_argument("--layers", type=int, default=4, help="its depth (with --hidden)")
     parser.add_argument("--out", default=str(HERE / "results" / "wan.json"))
     args = parser.parse_args()
     reason = skip_reason()
@@ -183,9 +219,14 @@ def main() -> None:
         sys.exit(f"cannot run the nat arm: {reason}")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="echo-wan-") as tmp:
+        model_path = None
+        if args.hidden:
+            model_path = wide_policy(
+                args.hidden, args.layers, Path(tmp) / f"wide-{args.hidden}x{args.layers}"
+            )
         for arm in ("loopback", "nat"):
             print(f"running the {arm} arm ({args.seconds:.0f} s)...", flush=True)
-            results[arm] = run_arm(arm, args, Path(tmp) / arm)
+            results[arm] = run_arm(arm, args, Path(tmp) / arm, model_path)
     keys = ["consumed_per_s", "versions_per_s", "idle_fraction", "trainer_bytes_per_version"]
     keys += ["version_lag_mean", "bytes_from_peers_share", "reachability"]
     print(f"\n{'figure':28s} {'loopback':>14s} {'nat':>14s} {'nat / loopback':>15s}")

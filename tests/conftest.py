@@ -125,8 +125,10 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         p.cleanup()
 
 
-def write_run_record(path: Path, run_id: str, owner, trainers: list[str], mode: str = "async") -> Path:
-    """A run record of ``run_id`` (tiny model, ``count`` task, ``mode``, valid for an hour) listing
+def write_run_record(
+    path: Path, run_id: str, owner, trainers: list[str], mode: str = "async", model: str = "tiny"
+) -> Path:
+    """A run record of ``run_id`` (``model``, ``count`` task, ``mode``, valid for an hour) listing
     ``trainers``, signed by the ``owner`` identity and written to ``path``, as ``echo_p2p.owner sign`` does."""
     from echo_p2p.net import run_record as rr
 
@@ -138,7 +140,7 @@ def write_run_record(path: Path, run_id: str, owner, trainers: list[str], mode: 
         serial=1,
         issued_at=now,
         expires_at=now + 3600,
-        model="tiny",
+        model=model,
         task="count",
         mode=mode,
     )
