@@ -116,6 +116,66 @@ def wait_until(predicate, timeout: float, period: float = 0.2, what: str = "cond
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+class LabProcs(Procs):
+    """``Procs`` on an emulated internet (``tests/netlab.py``): the bootstrap and each trainer on a public
+    host of their own, each inference peer at home behind its own NAT router. A process restarted with the
+    same identity file runs on the same host again; loopback listen addresses become all-interfaces."""
+
+    def __init__(self, workdir: Path, lab) -> None:
+        super().__init__(workdir)
+        self.lab = lab
+        self.hosts: dict[str, object] = {}
+
+    def host_for(self, name: str, args: tuple[str, ...]):
+        key = args[args.index("--identity-path") + 1] if "--identity-path" in args else f"{name}-{self._n}"
+        if key not in self.hosts:
+            if name == "inference":
+                self.hosts[key] = self.lab.home_host(f"home{len(self.hosts)}")
+            else:
+                self.hosts[key] = self.lab.public_host(f"{name}{len(self.hosts)}")
+        return self.hosts[key]
+
+    def start(self, *args: str, env: dict[str, str] | None = None, name: str | None = None):
+        self._n += 1
+        log = self.workdir / f"{name or 'proc'}-{self._n}.log"
+        host = self.host_for(name or "proc", args)
+        argv = [sys.executable, *("/ip4/0.0.0.0/tcp/0" if a == LOOPBACK else a for a in args)]
+        proc = self.lab.spawn(host, argv, log, env=env, cwd=self.workdir)
+        proc.log_path = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def bootstrap(self, *extra: str, identity: str | None = None) -> tuple[subprocess.Popen, str]:
+        host = self.host_for("bootstrap", tuple(extra))
+        maddrs_file = self.workdir / f"bootstrap-{self._n + 1}.maddrs"
+        args = ["-m", "echo_p2p.bootstrap", "--host-maddrs", f"/ip4/{host.address}/tcp/31337"]
+        args += ["--maddrs-file", str(maddrs_file), *(["--identity-path", identity] if identity else [])]
+        self._n += 1
+        log = self.workdir / f"bootstrap-{self._n}.log"
+        proc = self.lab.spawn(host, [sys.executable, *args, *extra], log, cwd=self.workdir)
+        proc.log_path = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        wait_until(lambda: maddrs_file.exists() or proc.poll() is not None, 60, what="bootstrap start")
+        assert proc.poll() is None, f"bootstrap exited: {read_log(proc)}"
+        return proc, next(m for m in maddrs_file.read_text().split() if host.address in m)
+
+
+@pytest.fixture
+def lab_procs(tmp_path: Path) -> Iterator[LabProcs]:
+    """``LabProcs`` on a fresh ``NetLab`` (the test skips where the lab cannot run, saying why)."""
+    from tests.netlab import NetLab, skip_reason
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with NetLab() as lab:
+        p = LabProcs(tmp_path, lab)
+        try:
+            yield p
+        finally:
+            p.cleanup()
+
+
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
     p = Procs(tmp_path)

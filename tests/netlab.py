@@ -165,10 +165,13 @@ class NetLab:
         return host
 
     # ---- processes ----
-    def spawn(self, host: Host, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    def spawn(
+        self, host: Host, argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace, output to ``log``, in a session of its own."""
         proc = subprocess.Popen(
             ["ip", "netns", "exec", host.ns, *argv],
+            cwd=str(cwd) if cwd else None,
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

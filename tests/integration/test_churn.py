@@ -1,5 +1,7 @@
 """Peers come and go: a trainer killed mid-run, the bootstrap killed, the trainer restarted with ``--resume``
-while every bootstrap it was given is down (real processes on 127.0.0.1).
+while every bootstrap it was given is down. On the emulated internet of ``tests/netlab.py`` where it can run
+(root): the bootstrap and each trainer on a public host, the inference peer at home behind NAT (reached
+through the bootstrap's relay until the bootstrap dies); elsewhere every process on 127.0.0.1.
 
 Two trusted trainers and an inference peer train the tiny model. SIGKILL of the publishing trainer: the other
 one takes over publishing within a few heartbeats and the inference peer's version never goes back.
@@ -34,10 +36,20 @@ def newest(metrics, peer_id: str, key: str, since: float = 0.0):
     return found[-1] if found else None
 
 
+@pytest.fixture
+def swarm(request, tmp_path):
+    """The lab's processes where the lab can run, else loopback ones."""
+    from tests.netlab import skip_reason
+
+    return request.getfixturevalue("lab_procs" if skip_reason() is None else "procs")
+
+
 def test_a_killed_publisher_is_replaced_the_run_outlives_its_bootstrap_and_the_trainer_rejoins(
-    procs, tmp_path
+    swarm, tmp_path
 ):
     from echo_p2p.net.identity import load_or_create_identity
+
+    procs = swarm
 
     metrics = tmp_path / "metrics"
     config = tmp_path / "peer.yaml"
