@@ -27,13 +27,10 @@ Run (root): ``python benchmarks/wan.py [--peers 2] [--seconds 70] [--window 40] 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,39 +41,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import write_run_record  # noqa: E402
+from tests.conftest import LOOPBACK, LabProcs, Procs, write_run_record  # noqa: E402
 from tests.netlab import NetLab, skip_reason  # noqa: E402
 
 RUN = "wanbench"
-
-
-class LoopbackHosts:
-    """The loopback arm's stand-in for a ``NetLab``: every host is this machine."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, host: Any, argv: list[str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            argv,
-            stdout=open(log, "wb"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=15)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wide_policy(hidden: int, layers: int, directory: Path) -> Path:
@@ -109,62 +77,34 @@ def run_arm(name: str, args: argparse.Namespace, workdir: Path, model_path: Path
     from echo_p2p.net.identity import load_or_create_identity
 
     workdir.mkdir(parents=True)
-    metrics, logs = workdir / "metrics", workdir / "logs"
-    logs.mkdir()
+    metrics = workdir / "metrics"
     config = workdir / "peer.yaml"
     config.write_text("metrics_period: 2\n")
     owner = load_or_create_identity(str(workdir / "owner.id"))
     trainer_id = load_or_create_identity(str(workdir / "trainer.id"))
     model = model_path.name if model_path else "tiny"
     record = write_run_record(workdir / "run.bin", RUN, owner, [trainer_id.peer_id], model=model)
-    lab: Any = NetLab().__enter__() if name == "nat" else LoopbackHosts()
+    lab = NetLab().__enter__() if name == "nat" else None
+    procs = LabProcs(workdir, lab, args.uplink, args.downlink) if lab is not None else Procs(workdir)
     try:
-        if name == "nat":
-            boot_host, trainer_host = lab.public_host("bootstrap"), lab.public_host("trainer")
-            homes = [lab.home_host(f"home{i}", args.uplink, args.downlink) for i in range(args.peers)]
-            listen, boot_listen = "/ip4/0.0.0.0/tcp/0", f"/ip4/{boot_host.address}/tcp/31337"
-        else:
-            boot_host = trainer_host = None
-            homes = [None] * args.peers
-            listen = boot_listen = "/ip4/127.0.0.1/tcp/0"
-        maddrs_file = workdir / "bootstrap.maddrs"
-        py = sys.executable
-        lab.spawn(
-            boot_host,
-            [py, "-m", "echo_p2p.bootstrap", "--host-maddrs", boot_listen, "--maddrs-file", str(maddrs_file)]
-            + ["--run-record", str(record)],
-            logs / "bootstrap.log",
+        _, boot = procs.bootstrap("--run-record", str(record))
+        common = ["--config", str(config), "--metrics-dir", str(metrics), "--threads", "1"]
+        common += ["--heartbeat-period", "2", *(["--model-path", str(model_path)] if model_path else [])]
+        procs.peer(
+            "trainer", RUN, boot, "--run-record", str(record), "--identity-path", trainer_id.path, *common
         )
-        deadline = time.monotonic() + 60
-        while not maddrs_file.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the bootstrap did not start: see {logs / 'bootstrap.log'}")
-            time.sleep(0.2)
-        boot = maddrs_file.read_text().split()[0]
-        if name == "nat":
-            boot = next(m for m in maddrs_file.read_text().split() if boot_host.address in m)
-        common = ["--config", str(config), "--host-maddrs", listen, "--metrics-dir", str(metrics)]
-        common += ["--threads", "1", "--heartbeat-period", "2"]
-        if model_path:
-            common += ["--model-path", str(model_path)]
-        lab.spawn(
-            trainer_host,
-            [py, "-m", "echo_p2p.peer", "--role", "trainer", "--run-id", RUN, "--initial-peers", boot]
-            + ["--run-record", str(record), "--identity-path", trainer_id.path, *common],
-            logs / "trainer.log",
-        )
-        for i, home in enumerate(homes):
-            lab.spawn(
-                home,
-                [py, "-m", "echo_p2p.peer", "--role", "inference", "--join", f"{RUN}:{owner.peer_id}@{boot}"]
-                + ["--seed", str(i), *common],
-                logs / f"inference-{i}.log",
-            )
+        for i in range(args.peers):
+            procs.start(
+                "-m", "echo_p2p.peer", "--role", "inference", "--join", f"{RUN}:{owner.peer_id}@{boot}",
+                "--host-maddrs", LOOPBACK, "--seed", str(i), *common, name="inference",
+            )  # fmt: skip
         started = time.time()
         time.sleep(args.seconds)
         return summarize(metrics, started + args.seconds - args.window, started + args.seconds)
     finally:
-        lab.close()
+        procs.cleanup()
+        if lab is not None:
+            lab.close()
 
 
 def lines(path: Path, start: float, end: float) -> list[dict]:

@@ -121,16 +121,17 @@ class LabProcs(Procs):
     host of their own, each inference peer at home behind its own NAT router. A process restarted with the
     same identity file runs on the same host again; loopback listen addresses become all-interfaces."""
 
-    def __init__(self, workdir: Path, lab) -> None:
+    def __init__(self, workdir: Path, lab, uplink_mbit: float = 20, downlink_mbit: float = 100) -> None:
         super().__init__(workdir)
         self.lab = lab
+        self.links = (uplink_mbit, downlink_mbit)  # of every home host
         self.hosts: dict[str, object] = {}
 
     def host_for(self, name: str, args: tuple[str, ...]):
         key = args[args.index("--identity-path") + 1] if "--identity-path" in args else f"{name}-{self._n}"
         if key not in self.hosts:
             if name == "inference":
-                self.hosts[key] = self.lab.home_host(f"home{len(self.hosts)}")
+                self.hosts[key] = self.lab.home_host(f"home{len(self.hosts)}", *self.links)
             else:
                 self.hosts[key] = self.lab.public_host(f"{name}{len(self.hosts)}")
         return self.hosts[key]

@@ -31,9 +31,11 @@ logger = logging.getLogger(__name__)
 #: Seconds the async loop waits on the buffer before counting the time as idle and looking again.
 TAKE_WAIT = 0.5
 #: Seconds without a batch after which a trainer behind the other trainers downloads their state (it cannot
-#: step: rollouts of versions it has not reached are refused), and the fewest seconds between two attempts.
-CATCH_UP_IDLE = 2.0
-CATCH_UP_EVERY = 5.0
+#: step: rollouts of versions it has not reached go to other trainers), and the fewest seconds between two
+#: attempts; at least 4x the last attempt's duration, so downloads take at most a fifth of the time. (A
+#: trainer that waited 2 s, then 5 s, starved: the tiny model moves ~4 versions/s, 30 per wait.)
+CATCH_UP_IDLE = 1.0
+CATCH_UP_EVERY = 1.0
 
 
 class TrainerPeer(BasePeer):
@@ -50,7 +52,7 @@ class TrainerPeer(BasePeer):
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
         self.catch_ups = 0  # state downloads while idle and behind the other trainers
         self.versions_published = 0
-        self._catch_up_at = -float("inf")  # monotonic time the last catch-up attempt ended
+        self._catch_up_at = -float("inf")  # monotonic time before which no catch-up is tried
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
         self.publish_seconds = 0.0
@@ -292,14 +294,9 @@ class TrainerPeer(BasePeer):
             **step_figures(stats, staleness, step_s),
             "step_update_s": round(step_s, 4),
         }
-        if result.advanced and not params_finite(self.model):
-            self._recover_nonfinite()
-            return
         if result.advanced:
-            self.policy_version = result.version
-            if self.buffer is not None:
-                self.buffer.drop_stale(result.version)
-            self._maybe_publish()
+            if not self._reached(result.version):
+                return
             self._maybe_checkpoint()
         self.metrics.write(self.policy_version, step=self.steps, **self.last_stats, **self._counters())
         extra = {"rollouts_consumed": self.rollouts_consumed, "version": self.policy_version}
@@ -309,27 +306,36 @@ class TrainerPeer(BasePeer):
         """Idle for ``CATCH_UP_IDLE`` s while the other trainers are ahead: download their state now
         (``CollabTrainerStep.catch_up``); nobody samples at a version the publisher has left behind."""
         now = time.monotonic()
-        if now - idle_since < CATCH_UP_IDLE or now - self._catch_up_at < CATCH_UP_EVERY:
+        if now - idle_since < CATCH_UP_IDLE or now < self._catch_up_at:
             return
         before = self._stepper.version
         try:
             loaded = self._stepper.catch_up()
         finally:
-            self._catch_up_at = time.monotonic()
+            ended = time.monotonic()
+            self._catch_up_at = ended + max(CATCH_UP_EVERY, 4 * (ended - now))
         if not loaded:
             return
         self.catch_ups += 1
         after = self._stepper.version
         # the downloaded weights are not ours moved by an update: the drift over the span is unknown
         self.guard.drift.record(before, after, None)
+        if self._reached(after):
+            logger.info(
+                "%s caught up with the other trainers: version %d -> %d", self.prefix(), before, after
+            )
+
+    def _reached(self, version: int) -> bool:
+        """The weights moved to ``version`` (an update or a download): hold it, drop what is too stale, publish;
+        False when they are not finite (``_recover_nonfinite`` reloads the last good state instead)."""
         if not params_finite(self.model):
             self._recover_nonfinite()
-            return
-        self.policy_version = after
+            return False
+        self.policy_version = version
         if self.buffer is not None:
-            self.buffer.drop_stale(after)
-        logger.info("%s caught up with the other trainers: version %d -> %d", self.prefix(), before, after)
+            self.buffer.drop_stale(version)
         self._maybe_publish()
+        return True
 
     def _recover_nonfinite(self) -> None:
         """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or

@@ -107,6 +107,10 @@ class _TaggedGradientAverager(GradientAverager):
     tag_fn: Any = None
     PARTIAL = {"partial": True}
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._partial_groups: set = set()  # ids of rounds whose averages arrived in part (averager process)
+        super().__init__(*args, **kwargs)
+
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any):
         if self.tag_fn is not None and "gather" not in kwargs:
             kwargs["gather"] = self.tag_fn()
@@ -114,9 +118,8 @@ class _TaggedGradientAverager(GradientAverager):
 
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        partial = getattr(self, "_partial_groups", set())
-        if group_info.group_id in partial:
-            partial.discard(group_info.group_id)
+        if group_info.group_id in self._partial_groups:
+            self._partial_groups.discard(group_info.group_id)
             gathered = {**gathered, self.peer_id: self.PARTIAL}
         return gathered
 
@@ -126,9 +129,7 @@ class _TaggedGradientAverager(GradientAverager):
         await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         group_id = group_info.group_id if group_id is None else group_id
         runner = self._running_groups[group_id].result()
-        if getattr(getattr(runner, "tensor_part_container", None), "failed_size", 0):
-            if not hasattr(self, "_partial_groups"):
-                self._partial_groups: set = set()
+        if runner.tensor_part_container.failed_size:
             self._partial_groups.add(group_info.group_id)
 
 
