@@ -166,6 +166,11 @@ class TrainerSection(StrictModel):
     )
     checkpoint_dir: str | None = Field(default=None, description="Write checkpoints here (None: none)")
     checkpoint_every: int = Field(default=10, ge=1, description="Versions between two checkpoints")
+    journal: bool = Field(
+        default=True,
+        description="Async: keep every acknowledged rollout group in checkpoint_dir/intake.journal until it "
+        "is used, and buffer the unused ones again on --resume (a killed trainer loses none it acknowledged)",
+    )
     publish_interval: float = Field(
         default=0.0,
         ge=0,

@@ -106,6 +106,20 @@ def read_log(proc: subprocess.Popen) -> str:
     return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
 
 
+def metrics_lines(metrics: Path, peer_id: str, since: float = 0.0) -> list[dict]:
+    """The metrics lines of one peer (``<role>-<peer id>.jsonl`` in ``metrics``) written at or after ``since``."""
+    from echo_p2p.metrics import read_metrics
+
+    path = next(iter(metrics.glob(f"*-{peer_id}.jsonl")), None)
+    return [x for x in read_metrics(str(path)) if x["time"] >= since] if path else []
+
+
+def newest_line(metrics: Path, peer_id: str, key: str, since: float = 0.0) -> dict | None:
+    """That peer's newest metrics line with ``key``, or None."""
+    found = [x for x in metrics_lines(metrics, peer_id, since) if x.get(key) is not None]
+    return found[-1] if found else None
+
+
 def wait_until(predicate, timeout: float, period: float = 0.2, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -148,6 +148,11 @@ class BasePeer:
             self.on_shutdown()
         except Exception:
             logger.exception("%s error while stopping the role", self.prefix())
+        try:  # the run's totals, once nothing counts any more
+            figures = {"reachability": self.reachability, **self.figures()}
+            self.metrics.write(self.policy_version, final=True, **figures)
+        except Exception as exc:
+            logger.debug("could not write the final metrics: %s", exc)
         if self._announcer is not None:
             self._announcer.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:

@@ -275,6 +275,7 @@ class InferencePeer(BasePeer):
             out.update(
                 rollouts_sent=push["sent"],
                 rollouts_acked=push["acked"],
+                rollouts_duplicates=push["duplicates"],
                 rollouts_rejected=push["rejected"],
                 untrusted_trainers_skipped=push["untrusted_trainers_skipped"],
                 seconds_waiting_for_room=push["seconds_waiting_for_room"],

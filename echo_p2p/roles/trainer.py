@@ -28,8 +28,6 @@ from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
 
 logger = logging.getLogger(__name__)
 
-#: Seconds the async loop waits on the buffer before counting the time as idle and looking again.
-TAKE_WAIT = 0.5
 #: Seconds without a batch after which a trainer behind the other trainers downloads their state (it cannot
 #: step: rollouts of versions it has not reached go to other trainers), and the fewest seconds between two
 #: attempts; at least 4x the last attempt's duration, so downloads take at most a fifth of the time. (A
@@ -71,7 +69,7 @@ class TrainerPeer(BasePeer):
         self.loop = None
         self.ingest = None
         self.guard = None  # roles.trainer_guard.SenderGuard: log-prob checks and bans
-        self.intake = None  # sync mode: the SyncIntake that collects each batch
+        self.intake = None  # where batches come from: a SyncIntake or an AsyncIntake
         self.checkpoints = None
         self._stopping = threading.Event()
 
@@ -162,6 +160,7 @@ class TrainerPeer(BasePeer):
             ),
         )
         if self.config.mode == "async":
+            from echo_p2p.roles.trainer_intake import AsyncIntake, open_journal
             from echo_p2p.rollout import RolloutGroup
             from echo_p2p.transport.rollout_config import PusherConfig
             from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
@@ -182,6 +181,8 @@ class TrainerPeer(BasePeer):
                 update={"max_group_bytes": min(section.ingest_server.max_group_bytes, shape_bound)}
             )
             self.guard = SenderGuard(section.reputation, self.peer_id, self.buffer, self.trust)
+            self.intake = AsyncIntake(self.buffer, section, open_journal(section), self.prefix())
+            self.intake.recover(self.policy_version or 0)
             self.ingest = RolloutIngestServicer(
                 lambda group: self.validator.validate(group, self.policy_version or 0),
                 self.buffer,
@@ -223,17 +224,15 @@ class TrainerPeer(BasePeer):
     # ---- the training loop --------------------------------------------------------------------------
     def work(self) -> None:
         self._work_started = time.monotonic()
-        pending: list = []
         idle_since: float | None = None
         while not self.stop_event.is_set():
             if self.section.max_steps is not None and self.steps >= self.section.max_steps:
                 logger.info("%s reached max_steps=%d; stopping", self.prefix(), self.section.max_steps)
                 break
             t0 = time.monotonic()
-            if self.config.mode == "async":
-                batch, pending = self._take_async(pending)
-            else:
-                batch = self.intake.collect(self.policy_version or 0)
+            batch = self.intake.collect(self.policy_version or 0)
+            if self.buffer is not None:
+                self.free_buffer_room = self.buffer.free_room()
             self.idle_seconds += time.monotonic() - t0
             if batch is None:
                 idle_since = t0 if idle_since is None else idle_since
@@ -243,17 +242,6 @@ class TrainerPeer(BasePeer):
             idle_since = None
             self._train(batch)
         self.stop_event.set()
-
-    def _take_async(self, pending: list) -> tuple[list | None, list]:
-        version = self.policy_version or 0
-        pending = [g for g in pending if version - g.policy_version <= self.section.max_staleness]
-        need = self.section.prompts_per_step - len(pending)
-        if need > 0:
-            pending += self.buffer.take(need, version, timeout=TAKE_WAIT)
-        self.free_buffer_room = self.buffer.free_room()
-        if len(pending) < self.section.prompts_per_step:
-            return None, pending
-        return pending, []
 
     def _train(self, batch: list) -> None:
         t0 = time.monotonic()
@@ -267,6 +255,7 @@ class TrainerPeer(BasePeer):
         self.update_seconds += time.monotonic() - t0
         self.guard.judge(batch, self.learner.last_group_gaps, allowances)
         if result.skipped:
+            self.intake.discarded(batch)
             self.skipped_batches += 1
             logger.warning(
                 "%s dropped a batch of %d groups whose loss or gradient is not finite (%d so far)",
@@ -275,6 +264,7 @@ class TrainerPeer(BasePeer):
                 self.skipped_batches,
             )
             return
+        self.intake.used(batch)
         self.steps += 1
         self.rollouts_consumed += len(batch)
         rewards = [r for g in batch for r in g.rewards]
@@ -332,8 +322,7 @@ class TrainerPeer(BasePeer):
             self._recover_nonfinite()
             return False
         self.policy_version = version
-        if self.buffer is not None:
-            self.buffer.drop_stale(version)
+        self.intake.reached(version)
         self._maybe_publish()
         return True
 
@@ -354,8 +343,7 @@ class TrainerPeer(BasePeer):
             return
         self.policy_version = self._stepper.version
         self.guard.drift.reset()
-        if self.buffer is not None:
-            self.buffer.drop_stale(self.policy_version)
+        self.intake.reached(self.policy_version)
         logger.warning("%s reloaded version %d from %s", self.prefix(), self.policy_version, source)
 
     # ---- publishing and checkpoints ---------------------------------------------------------------------
@@ -480,6 +468,8 @@ class TrainerPeer(BasePeer):
             out["rejected"] = dict(self.ingest.stats().get("rejected", {}))
         elif self.intake is not None and self.intake.rejected:
             out["rejected"] = dict(self.intake.rejected)
+        if self.intake is not None:
+            out.update(self.intake.figures())
         return out
 
     def figures(self) -> dict[str, Any]:
@@ -495,6 +485,7 @@ class TrainerPeer(BasePeer):
                 logger.exception("%s final checkpoint failed", self.prefix())
         for name, closer in (
             ("ingest", lambda: self.ingest and self.ingest.shutdown()),
+            ("intake", lambda: self.intake and self.intake.close()),
             ("loop", lambda: self.loop and self.loop.shutdown()),
             ("publisher", lambda: self.publisher and self.publisher.shutdown()),
             ("optimizer", lambda: self.optimizer is not None and shutdown_optimizer(self.optimizer)),

@@ -1,17 +1,24 @@
-"""Sync mode's intake: one batch of rollout groups sampled on request at the trainer's version.
+"""Where a trainer's batches come from, in either mode.
 
 Owned here: ``SyncIntake`` — pick the step's prompts, ask inference peers to sample them at the trainer's
 policy version (``transport.rollout_pull.SampleClient``), validate every group as it arrives and count the
-refusals. Called by ``roles.trainer`` in sync mode (async mode takes its batches from the replay buffer).
+refusals — and ``AsyncIntake`` — batches from the replay buffer that the ingest servicer fills, and the
+journal of acknowledged groups (``train.journal``): a group is settled once a version it was used for is
+reached, and a trainer restarted with ``--resume`` puts the unsettled ones back in its buffer.
+Called by ``roles.trainer``: ``collect(version)`` once per step in both modes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 from collections import Counter
 from typing import Any
+
+#: Seconds the async loop waits on the buffer before counting the time as idle and looking again.
+TAKE_WAIT = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +85,122 @@ class SyncIntake:
                 version,
             )
         return scored or None
+
+    # sync batches are sampled on request and used at once: nothing was acknowledged, nothing to settle
+    def used(self, batch: list) -> None:
+        pass
+
+    def discarded(self, batch: list) -> None:
+        pass
+
+    def reached(self, version: int) -> None:
+        pass
+
+    def figures(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def open_journal(section: Any) -> Any:
+    """The intake journal next to the checkpoints (``trainer.journal``; None without a ``checkpoint_dir``):
+    to be read back by ``AsyncIntake.recover`` with ``--resume``, else started empty."""
+    if not (section.checkpoint_dir and section.journal):
+        return None
+    from echo_p2p.train.journal import JOURNAL_NAME, IntakeJournal
+
+    journal = IntakeJournal(os.path.join(section.checkpoint_dir, JOURNAL_NAME))
+    return journal if section.resume else journal.open()
+
+
+class AsyncIntake:
+    """Async mode: one batch per call from the replay buffer, and the intake journal (see the module doc).
+
+    :param buffer: the ``ReplayBuffer`` the ingest servicer adds to (with ``journal`` as its journal, if any)
+    :param section: the trainer's config section (``prompts_per_step``, ``max_staleness``)
+    :param journal: an ``IntakeJournal`` or None
+    """
+
+    def __init__(self, buffer: Any, section: Any, journal: Any = None, prefix: str = "") -> None:
+        self.buffer = buffer
+        self.section = section
+        self.journal = journal
+        self.prefix = prefix
+        self.rejected: Counter[str] = Counter()  # the ingest servicer counts async refusals
+        self.recovered = 0  # groups read back from the journal and buffered again
+        self.recovered_stale = 0  # groups read back from the journal, too stale by then
+        self._pending: list = []  # taken from the buffer, not yet a whole batch
+        self._used: list[str] = []  # ids trained on since the last version reached
+
+    def collect(self, version: int) -> list | None:
+        """A whole batch of usable groups at ``version``, or None (what was taken waits for the next call)."""
+        pending, stale = [], []
+        for g in self._pending:
+            (pending if version - g.policy_version <= self.section.max_staleness else stale).append(g)
+        if stale:
+            self._settle(g.rollout_id for g in stale)
+        need = self.section.prompts_per_step - len(pending)
+        if need > 0:
+            pending += self.buffer.take(need, version, timeout=TAKE_WAIT)
+        if len(pending) < self.section.prompts_per_step:
+            self._pending = pending
+            return None
+        self._pending = []
+        return pending
+
+    def used(self, batch: list) -> None:
+        """``batch`` went into a step: settled when the next version is reached (``reached``)."""
+        self._used.extend(g.rollout_id for g in batch)
+
+    def discarded(self, batch: list) -> None:
+        """``batch`` was thrown away (not finite): settled now."""
+        self._settle(g.rollout_id for g in batch)
+
+    def reached(self, version: int) -> None:
+        """The weights moved to ``version``: what was trained on before is in it; drop what is too stale."""
+        self._settle(self._used)
+        self._used = []
+        self.buffer.drop_stale(version)
+
+    def recover(self, version: int) -> None:
+        """Put the journal's unsettled groups (a previous run's, acknowledged and unused) back in the buffer."""
+        if self.journal is None:
+            return
+        from echo_p2p.train.buffer import AddResult
+
+        groups = self.journal.recover()  # still on disk until settled, whatever happens next
+        self.buffer.journal = None  # they are in the journal already
+        try:
+            results = [(g.rollout_id, self.buffer.add(g, version)) for g in groups]
+        finally:
+            self.buffer.journal = self.journal
+        self.recovered = sum(r is AddResult.ADDED for _, r in results)
+        self.recovered_stale = sum(r is AddResult.STALE for _, r in results)
+        self._settle(rid for rid, r in results if r is not AddResult.ADDED)
+        if self.recovered or self.recovered_stale:
+            logger.info(
+                "%s recovered %d acknowledged groups from its intake journal (%d more were too stale at "
+                "version %d)",
+                self.prefix,
+                self.recovered,
+                self.recovered_stale,
+                version,
+            )
+
+    def figures(self) -> dict[str, Any]:
+        if self.journal is None:
+            return {}
+        return {
+            "journal": self.journal.snapshot(),
+            "journal_recovered": self.recovered,
+            "journal_recovered_stale": self.recovered_stale,
+        }
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    def _settle(self, ids) -> None:
+        if self.journal is not None:
+            self.journal.settled(ids)

@@ -44,9 +44,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from echo_p2p.rollout import RolloutGroup
+
+if TYPE_CHECKING:
+    from echo_p2p.train.journal import IntakeJournal
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,10 @@ class ReplayBuffer:
         fewest rollouts when producers are slower than the trainer) or ``"newest"`` (least stale: better
         updates when producers are faster and stale groups would be dropped anyway). Eviction when full is
         always oldest first.
+    :param journal: an ``IntakeJournal`` that keeps every added group on disk until it is settled: the
+        buffer records each group it adds (before ``add`` returns, so before the sender's acknowledgement)
+        and settles each one it evicts, drops as stale or drops with its sender; groups handed out by
+        ``take`` are settled by the trainer once used.
     """
 
     def __init__(
@@ -150,6 +157,7 @@ class ReplayBuffer:
         reuse: int = 1,
         seen_ids_window: int | None = None,
         order: Literal["oldest", "newest"] = "oldest",
+        journal: IntakeJournal | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -174,6 +182,7 @@ class ReplayBuffer:
         self._taken_staleness: Counter[int] = Counter()
         self._added = self._duplicates = self._dropped_stale = self._evicted = self._taken = 0
         self._cond = threading.Condition(threading.Lock())
+        self.journal = journal
 
     # ---- ingest side -------------------------------------------------------------------------------------
     def add(
@@ -206,8 +215,10 @@ class ReplayBuffer:
                 if entry < self._heap[0]:
                     self._evicted += 1
                     return AddResult.EVICTED
-                self._pop_oldest()
+                self._settle([self._pop_oldest()])
                 self._evicted += 1
+            if self.journal is not None:
+                self.journal.added(scored)
             self._push(entry)
             self._added += 1
             self._cond.notify_all()
@@ -274,6 +285,7 @@ class ReplayBuffer:
             dropped = [e for e in self._heap if e.scored.group.sampler_peer_id == sender]
             for entry in dropped:
                 self._forget(entry)
+            self._settle(dropped)
             self._heap = kept
             heapq.heapify(self._heap)
             return len(dropped)
@@ -337,6 +349,7 @@ class ReplayBuffer:
         self._heap.remove(victim)
         heapq.heapify(self._heap)
         self._forget(victim)
+        self._settle([victim])
         self._evicted += 1
 
     def _pop_oldest(self) -> _Entry:
@@ -355,12 +368,17 @@ class ReplayBuffer:
         return chosen
 
     def _drop_stale_locked(self, current_version: int) -> int:
-        dropped = 0
+        dropped = []
         while self._heap and self._is_stale(self._heap[0].version, current_version):
-            self._pop_oldest()
-            dropped += 1
-        self._dropped_stale += dropped
-        return dropped
+            dropped.append(self._pop_oldest())
+        self._settle(dropped)
+        self._dropped_stale += len(dropped)
+        return len(dropped)
+
+    def _settle(self, entries: list[_Entry]) -> None:
+        """These entries left the buffer unused, for good: the journal need not keep them."""
+        if self.journal is not None and entries:
+            self.journal.settled(e.scored.rollout_id for e in entries)
 
     def _num_usable(self, current_version: int) -> int:
         oldest_ok = current_version - self.max_staleness

@@ -17,23 +17,12 @@ import time
 
 import pytest
 
-from echo_p2p.metrics import read_metrics
-from tests.conftest import read_log, wait_until, write_run_record
+from tests.conftest import metrics_lines, newest_line, read_log, wait_until, write_run_record
 
 pytestmark = pytest.mark.timeout(420)
 
 RUN = "churn"
 HEARTBEAT = 1.0
-
-
-def lines_of(metrics, peer_id: str, since: float = 0.0) -> list[dict]:
-    path = next(iter(metrics.glob(f"*-{peer_id}.jsonl")), None)
-    return [x for x in read_metrics(str(path)) if x["time"] >= since] if path else []
-
-
-def newest(metrics, peer_id: str, key: str, since: float = 0.0):
-    found = [x for x in lines_of(metrics, peer_id, since) if x.get(key) is not None]
-    return found[-1] if found else None
 
 
 @pytest.fixture
@@ -86,12 +75,12 @@ def test_a_killed_publisher_is_replaced_the_run_outlives_its_bootstrap_and_the_t
 
     def inference_version(since: float = 0.0) -> int:
         alive()
-        line = newest(metrics, inference_id.peer_id, "version", since)
+        line = newest_line(metrics, inference_id.peer_id, "version", since)
         return (line or {}).get("version") or 0
 
     def publishes(peer_id: str, since: float) -> bool:
         alive()
-        line = newest(metrics, peer_id, "publisher", since)
+        line = newest_line(metrics, peer_id, "publisher", since)
         return bool(line and line["publisher"])
 
     checkpoints = tmp_path / f"ckpt-{publisher.peer_id[-6:]}"
@@ -112,7 +101,7 @@ def test_a_killed_publisher_is_replaced_the_run_outlives_its_bootstrap_and_the_t
     procs.kill_group(trainers[publisher.peer_id])
     killed.add(publisher.peer_id)
     wait_until(lambda: publishes(other.peer_id, killed_at), 30, 0.5, "the other trainer to publish")
-    failover_s = newest(metrics, other.peer_id, "publisher", killed_at)["time"] - killed_at
+    failover_s = newest_line(metrics, other.peer_id, "publisher", killed_at)["time"] - killed_at
     wait_until(lambda: inference_version(killed_at) > before + 3, 60, 1, "versions after the failover")
 
     # 2. SIGKILL the bootstrap: training and publishing go on
@@ -127,13 +116,13 @@ def test_a_killed_publisher_is_replaced_the_run_outlives_its_bootstrap_and_the_t
 
     # 3. the killed trainer restarts with --resume; its only bootstrap is dead: it joins through its cache
     restarted_at = time.time()
-    swarm_version = newest(metrics, other.peer_id, "version")["version"]
+    swarm_version = newest_line(metrics, other.peer_id, "version")["version"]
     trainers[publisher.peer_id] = trainer(publisher, "--resume")
     killed.discard(publisher.peer_id)
 
     def steps_after_restart() -> list[dict]:
         alive()
-        return [x for x in lines_of(metrics, publisher.peer_id, restarted_at) if "step" in x]
+        return [x for x in metrics_lines(metrics, publisher.peer_id, restarted_at) if "step" in x]
 
     wait_until(lambda: len(steps_after_restart()) >= 3, 120, 1, "the restarted trainer to train again")
     phases["restart_to_third_step_s"] = round(time.time() - restarted_at, 1)
@@ -142,8 +131,19 @@ def test_a_killed_publisher_is_replaced_the_run_outlives_its_bootstrap_and_the_t
     # its first step came after it caught up with the swarm, not from its checkpoint's version
     first = steps_after_restart()[0]
     assert first["version"] >= swarm_version, (first["version"], swarm_version)
+    # what it had acknowledged and not used before the kill came back from its journal (most of it too stale
+    # by then: the run moved on while it was down)
+    journal = newest_line(metrics, publisher.peer_id, "journal_recovered", restarted_at)
+    assert journal is not None, "the restarted trainer reports no intake journal"
+    phases["journal_recovered"] = journal["journal_recovered"]
+    phases["journal_recovered_stale"] = journal["journal_recovered_stale"]
+    phases["dropped_stale_after_restart"] = newest_line(metrics, publisher.peer_id, "buffer")["buffer"][
+        "dropped_stale"
+    ]
 
-    seen = [x["version"] for x in lines_of(metrics, inference_id.peer_id) if x.get("version") is not None]
+    seen = [
+        x["version"] for x in metrics_lines(metrics, inference_id.peer_id) if x.get("version") is not None
+    ]
     assert seen == sorted(seen), f"the inference peer's version went back: {seen}"
     phases["failover_s"] = round(failover_s, 1)
     phases["before_first_kill_s"] = round(killed_at - started, 1)
