@@ -11,7 +11,10 @@ Arms (each a fresh swarm: bootstrap, one async trainer, ``--peers`` inference pe
 Figures over the last ``--window`` seconds of each arm (from the peers' own metrics, every 2 s): rollout
 groups consumed per second, trainer idle share, versions per second, the bytes the trainer uploads per
 version it published, the inference peers' mean version lag behind the trainer, the share of weight bytes
-they got from other inference peers (peer-assisted distribution) and their reachability.
+they got from other inference peers (peer-assisted distribution) and their reachability. In the ``nat`` arm,
+also what each kind of host sent into the network per version (its interface counter: weights, DHT, acks
+and, on the bootstrap, the home peers' relayed traffic): ``bootstrap_``, ``trainer_`` and ``home_host_bytes_
+per_version`` (a home host's is the mean over the home hosts).
 
 The tiny model's versions are ~0.1 MiB, far below what a 20 Mbit/s link carries per version: this measures
 that NAT traversal costs the loop nothing, not how a large model's versions spread over home links
@@ -99,12 +102,28 @@ def run_arm(name: str, args: argparse.Namespace, workdir: Path, model_path: Path
                 "--host-maddrs", LOOPBACK, "--seed", str(i), *common, name="inference",
             )  # fmt: skip
         started = time.time()
-        time.sleep(args.seconds)
-        return summarize(metrics, started + args.seconds - args.window, started + args.seconds)
+        time.sleep(args.seconds - args.window)
+        before = host_bytes(procs)
+        time.sleep(args.window)
+        out = summarize(metrics, started + args.seconds - args.window, started + args.seconds)
+        sent = {k: v - before[k] for k, v in host_bytes(procs).items()}
+        versions = out["versions_per_s"] * args.window
+        for kind in ("bootstrap", "trainer", "home"):
+            mine = [v for k, v in sent.items() if k.startswith(kind)]
+            per_version = sum(mine) / len(mine) / versions if mine and versions > 0 else None
+            out[f"{kind}_host_bytes_per_version"] = per_version
+        return out
     finally:
         procs.cleanup()
         if lab is not None:
             lab.close()
+
+
+def host_bytes(procs) -> dict[str, int]:
+    """Bytes each lab host has sent so far, by host name (empty on loopback: no host of its own)."""
+    if not isinstance(procs, LabProcs):
+        return {}
+    return {host.name: procs.lab.sent_bytes(host) for host in procs.hosts.values()}
 
 
 def lines(path: Path, start: float, end: float) -> list[dict]:
@@ -169,9 +188,10 @@ def main() -> None:
             results[arm] = run_arm(arm, args, Path(tmp) / arm, model_path)
     keys = ["consumed_per_s", "versions_per_s", "idle_fraction", "trainer_bytes_per_version"]
     keys += ["version_lag_mean", "bytes_from_peers_share", "reachability"]
+    keys += [f"{kind}_host_bytes_per_version" for kind in ("bootstrap", "trainer", "home")]
     print(f"\n{'figure':28s} {'loopback':>14s} {'nat':>14s} {'nat / loopback':>15s}")
     for key in keys:
-        a, b = results["loopback"][key], results["nat"][key]
+        a, b = results["loopback"].get(key), results["nat"].get(key)
         ratio = f"{b / a:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else "-"
         fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
         print(f"{key:28s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>15s}")

@@ -164,6 +164,12 @@ class NetLab:
         self.hosts[name] = host
         return host
 
+    def sent_bytes(self, host: Host) -> int:
+        """Bytes ``host`` has sent into the network so far (its ``eth0`` counter: everything its processes
+        sent, relayed traffic included; a home host's, before its router's NAT and shaping)."""
+        done = sh("cat", "/sys/class/net/eth0/statistics/tx_bytes", ns=host.ns)
+        return int(done.stdout.strip())
+
     # ---- processes ----
     def spawn(
         self, host: Host, argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None
