@@ -19,6 +19,7 @@ from typing import Any
 from echo_p2p.roles.base import BasePeer
 from echo_p2p.roles.trainer_weights import (
     elect_publisher,
+    orphaned_version,
     params_finite,
     peak_rss_mib,
     reload_last_good,
@@ -305,6 +306,7 @@ class TrainerPeer(BasePeer):
             ended = time.monotonic()
             self._catch_up_at = ended + max(CATCH_UP_EVERY, 4 * (ended - now))
         if not loaded:
+            self._maybe_go_on_alone(before)
             return
         self.catch_ups += 1
         after = self._stepper.version
@@ -314,6 +316,20 @@ class TrainerPeer(BasePeer):
             logger.info(
                 "%s caught up with the other trainers: version %d -> %d", self.prefix(), before, after
             )
+
+    def _maybe_go_on_alone(self, before: int) -> None:
+        """Behind a published version that no live trainer can give us (``orphaned_version``): hold the
+        version after it with our own weights instead of refusing every rollout for good."""
+        try:
+            target = orphaned_version(
+                self.peer_id, before, [e.record for e in self.directory.peers()],
+                [e.record for e in self.directory.policies()], self.trust,
+            )  # fmt: skip
+        except Exception:  # the DHT did not answer: try again at the next attempt
+            return
+        if target is not None and self._stepper.advance_to(target):
+            self.guard.drift.record(before, target, None)
+            self._reached(target)
 
     def _reached(self, version: int) -> bool:
         """The weights moved to ``version`` (an update or a download): hold it, drop what is too stale, publish;

@@ -397,6 +397,12 @@ class CollabTrainerStep:
         catch_up = getattr(self.optimizer, "catch_up", None)
         return bool(catch_up()) if catch_up is not None else False
 
+    def advance_to(self, version: int) -> bool:
+        """Hold ``version`` from now on with the weights this trainer has (``SyncedOptimizer.advance_to``):
+        when the version the swarm was at can no longer be downloaded from anyone."""
+        advance = getattr(self.optimizer, "advance_to", None)
+        return bool(advance(version)) if advance is not None else False
+
     def batch_size_of(self, groups: Sequence[ScoredGroup]) -> int:
         if self.batch_unit == "groups":
             return len(groups)

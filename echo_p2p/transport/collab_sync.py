@@ -328,6 +328,28 @@ class SyncedOptimizer(hivemind.Optimizer):
         )
         return self.load_state_from_peers()
 
+    def advance_to(self, epoch: int) -> bool:
+        """Take ``epoch`` as this trainer's own, keeping its parameters and statistics: for a trainer behind a
+        version that no live trainer can give it any more (the one ahead left). A new lineage: a fresh token,
+        no accumulated gradient. False (nothing done) when ``epoch`` is not ahead of ours."""
+        if epoch <= self.local_epoch:
+            return False
+        logger.warning(
+            "trainer at epoch %d: no live trainer holds the swarm's state; continuing from its own as epoch %d",
+            self.local_epoch,
+            epoch,
+        )
+        self.state_averager.local_epoch = epoch
+        self.sync_token, self.in_sync, self._must_resync = fresh_token(), False, False
+        self.grad_averager.reset_accumulated_grads_()
+        self.tracker.report_local_progress(local_epoch=epoch, samples_accumulated=0)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = epoch
+            self.grad_averager.state_sharing_priority = epoch
+        self.sync_stats["advanced"] += 1
+        self._publish_tag()
+        return True
+
     # ---- bounded state download ----
     def load_state_from_peers(self, **kwargs: Any) -> bool:
         """Download the state (parameters, optimizer statistics, epoch, sync token) from the peer with the

@@ -25,7 +25,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing, suppress
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
 
@@ -129,8 +129,10 @@ class RolloutIngestServicer(ServicerBase):
         with closing(writer):
             messages, refusal = await self._read_push(sender, reader)
             ack = await self._answer(sender, messages, refusal)
-            with suppress(Exception):  # the sender may be gone; nothing to do about it
+            try:
                 await P2P.send_protobuf(ack, writer)
+            except Exception as exc:  # the sender may be gone: it resends, and a resend is acked DUPLICATE
+                logger.info("push from %s: the ack was not delivered (%r)", sender, exc)
 
     async def _read_push(
         self, sender: str, reader: asyncio.StreamReader

@@ -156,3 +156,42 @@ def test_a_trainer_behind_the_newest_leaves_publishing_to_one_that_holds_it():
     assert not elect_publisher(early, records, trust, version=newest)
     assert elect_publisher(late, records[1:], trust, version=0)  # alone in the directory: it publishes
     assert elect_publisher(late, records[:1], trust, version=0) is False  # not announced yet: its own version
+
+
+def test_a_trainer_behind_a_version_nobody_alive_holds_goes_on_after_it():
+    """The publisher died while the other trainer was behind it: nobody can give that state any more."""
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord, PolicyRecord
+    from echo_p2p.roles.trainer_weights import orphaned_version
+    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+    dead, me, stranger = (str(load_or_create_identity(None).peer_id) for _ in range(3))
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([dead, me]))
+    policies = [
+        PolicyRecord(peer_id=dead, stream_id="s1", version=10),
+        PolicyRecord(peer_id=me, stream_id="s2", version=6),
+    ]
+    mine = PeerRecord(peer_id=me, role="trainer", policy_version=6)
+    # the publisher of version 10 still has a running record (maybe a heartbeat old): catching up will do
+    alive = [mine, PeerRecord(peer_id=dead, role="trainer", policy_version=6)]
+    assert orphaned_version(me, 6, alive, policies, trust) is None
+    # another live trainer ahead of us can give its state
+    ahead = [
+        mine,
+        PeerRecord(peer_id=dead, role="trainer", state="leaving"),
+        PeerRecord(peer_id=stranger, role="trainer", policy_version=9),
+    ]
+    assert (
+        orphaned_version(
+            me, 6, ahead, policies, RunTrust(fixed=TrustedTrainers.from_keys([dead, me, stranger]))
+        )
+        is None
+    )
+    # its record expired: go on as version 11, a number nobody published with other weights
+    assert orphaned_version(me, 6, [mine], policies, trust) == 11
+    # an untrusted peer's policy record or trainer record changes nothing
+    forged = [*policies, PolicyRecord(peer_id=stranger, stream_id="x", version=10**6)]
+    assert orphaned_version(me, 6, [mine, ahead[2]], forged, trust) == 11
+    # not behind: nothing to do
+    assert orphaned_version(me, 10, [mine], policies, trust) is None
+    assert orphaned_version(me, 12, [mine], policies, trust) is None
