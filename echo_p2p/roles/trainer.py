@@ -52,6 +52,7 @@ class TrainerPeer(BasePeer):
         self.catch_ups = 0  # state downloads while idle and behind the other trainers
         self.versions_published = 0
         self._catch_up_at = -float("inf")  # monotonic time before which no catch-up is tried
+        self._future_refused = 0  # pushes refused as future_version when last checked (_maybe_go_on_alone)
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
         self.publish_seconds = 0.0
@@ -319,7 +320,12 @@ class TrainerPeer(BasePeer):
 
     def _maybe_go_on_alone(self, before: int) -> None:
         """Behind a published version that no live trainer can give us (``orphaned_version``): hold the
-        version after it with our own weights instead of refusing every rollout for good."""
+        version after it with our own weights instead of refusing every rollout for good. Looked at only
+        when pushes were refused as ``future_version`` since the last look (the directory reads cost)."""
+        refused = self.ingest.stats()["rejected"].get("future_version", 0) if self.ingest is not None else 0
+        if refused <= self._future_refused:
+            return
+        self._future_refused = refused
         try:
             target = orphaned_version(
                 self.peer_id, before, [e.record for e in self.directory.peers()],
