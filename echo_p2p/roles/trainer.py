@@ -322,7 +322,7 @@ class TrainerPeer(BasePeer):
         """Behind a published version that no live trainer can give us (``orphaned_version``): hold the
         version after it with our own weights instead of refusing every rollout for good. Looked at only
         when pushes were refused as ``future_version`` since the last look (the directory reads cost)."""
-        refused = self.ingest.stats()["rejected"].get("future_version", 0) if self.ingest is not None else 0
+        refused = self.ingest.totals.rejected["future_version"] if self.ingest is not None else 0
         if refused <= self._future_refused:
             return
         self._future_refused = refused

@@ -99,6 +99,7 @@ class IntakeJournal:
         self.compact_bytes = compact_bytes
         self.stats = JournalStats()
         self._live: dict[str, _Live] = {}
+        self._live_bytes = 0  # sum of the live records' lengths
         self._lock = threading.Lock()
         self._file = None
         self._size = 0
@@ -161,6 +162,8 @@ class IntakeJournal:
             if self._file is None:
                 return
             offset = self._append(record)
+            old = self._live.pop(scored.rollout_id, None)
+            self._live_bytes += len(record) - (old.length if old else 0)
             self._live[scored.rollout_id] = _Live(offset, len(record), scored.policy_version)
             self.stats.appended += 1
             self._maybe_compact()
@@ -175,7 +178,7 @@ class IntakeJournal:
                 return
             self._append(_record(SETTLED, "\n".join(ids).encode()))
             for rid in ids:
-                del self._live[rid]
+                self._live_bytes -= self._live.pop(rid).length
             self.stats.settled += len(ids)
 
     def __len__(self) -> int:
@@ -198,8 +201,7 @@ class IntakeJournal:
         return offset
 
     def _maybe_compact(self) -> None:
-        live_bytes = sum(e.length for e in self._live.values())
-        if self._size < self.compact_bytes or self._size < 4 * live_bytes:
+        if self._size < self.compact_bytes or self._size < 4 * self._live_bytes:
             return
         with open(self.path, "rb") as f:
             records = []
@@ -241,5 +243,5 @@ class IntakeJournal:
             self._live = {
                 rid: _Live(o, e.length, e.policy_version) for (rid, e), o in zip(order, offsets, strict=True)
             }
-        self._size = pos
+        self._size = self._live_bytes = pos
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held open for appends
