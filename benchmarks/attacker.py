@@ -189,6 +189,7 @@ class Attacker:
         from echo_p2p.proto import rollouts_pb2
         from echo_p2p.transport.p2p_loop import peer_id_of
         from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
+        from echo_p2p.transport.rollout_push import push_payloads
 
         await loop.dial(record.peer_id, record.maddrs, timeout=5)
         if payload == "oversized":
@@ -203,13 +204,10 @@ class Attacker:
             finally:
                 writer.close()
             return
-        stub = RolloutIngestServicer.get_stub(loop.p2p, peer_id_of(record.peer_id), namespace=namespace)
-
-        async def messages():
-            for group in payload:
-                yield rollouts_pb2.RolloutPayload(rollout_id=group.rollout_id, group=group.to_bytes())
-
-        ack = await stub.rpc_push_rollouts(messages(), timeout=15)
+        payloads = [rollouts_pb2.RolloutPayload(rollout_id=g.rollout_id, group=g.to_bytes()) for g in payload]
+        ack = await asyncio.wait_for(
+            push_payloads(loop.p2p, peer_id_of(record.peer_id), namespace, payloads), 15
+        )
         if ack.error:
             self.seen[ack.error.split(":")[0]] += 1
         for item in ack.acks:

@@ -31,6 +31,12 @@ class IngestServerConfig(BaseModel):
         default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed (bytes)"
     )
     stream_timeout: float = Field(default=30.0, gt=0, description="Deadline (s) to read one push stream")
+    ack_linger: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds a push stream is kept open after its ack, for the sender to close it first (a "
+        "stream its receiver closes first can be reset, and the reset can overtake the ack)",
+    )
     refuse_when_full: bool = Field(
         default=True,
         description="Refuse (buffer_full, retryable) instead of evicting when the buffer is full",

@@ -10,8 +10,9 @@ Every group then goes through cheap checks (count, size, that it is the sampler,
 before the injected ``validate`` (``IngestValidator``) and ``buffer.add``; a full buffer makes room for a
 sender below its share (capacity / (active senders + 1)) at the expense of one above it, and refuses
 (``buffer_full``, retryable: back-pressure) the others; verdicts carry a ``Reason`` back and are counted per sender (``SenderStats``). An id already
-accepted is acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. Never
-raises.
+accepted is acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. After
+the ack the stream stays open until the sender closes it (``_linger``: a stream closed first by its
+receiver can be reset, and the reset can overtake the ack). Never raises.
 The sending side is ``rollout_push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
 work never runs in the loop.
 """
@@ -49,6 +50,8 @@ RATE_LIMITED = "rate_limited"
 FRAME_TOO_LARGE = "frame_too_large"
 BAD_FRAME = "bad_frame"
 BANNED = "banned"
+#: Most bytes discarded while a push stream lingers after its ack (about what a sender has in flight).
+LINGER_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -133,6 +136,34 @@ class RolloutIngestServicer(ServicerBase):
                 await P2P.send_protobuf(ack, writer)
             except Exception as exc:  # the sender may be gone: it resends, and a resend is acked DUPLICATE
                 logger.info("push from %s: the ack was not delivered (%r)", sender, exc)
+                return
+            await self._linger(sender, reader)
+
+    async def _linger(self, sender: str, reader: asyncio.StreamReader) -> None:
+        """Keep the stream after the ack until the sender closes it, discarding what still arrives (the rest
+        of a refused push), for at most ``ack_linger`` seconds and ``LINGER_BYTES``.
+
+        Why: p2pd pipes each stream to a local socket, and when that socket is closed while the sender's data
+        is unread or its side is still open, the daemon may *reset* the stream; a reset arriving at the
+        sender's daemon before the sender read the ack discards the ack (the push then looks failed, its groups
+        are resent). A sender that closes first, once it has the ack (``rollout_push.push_payloads``), never
+        loses one. hivemind's generic stub waits for the trainer to close: it gets its ack ``ack_linger`` later.
+        """
+        left = LINGER_BYTES
+        try:
+            async with asyncio.timeout(self.config.ack_linger):
+                while left > 0:
+                    chunk = await reader.read(min(64 * 1024, left))
+                    if not chunk:
+                        return
+                    left -= len(chunk)
+                    self._bytes.charge(sender, len(chunk))
+        except TimeoutError:
+            logger.debug(
+                "push from %s: the sender kept the stream %.0f s past its ack", sender, self.config.ack_linger
+            )
+        except Exception:  # a reset or a broken pipe after the ack: nothing more to do
+            pass
 
     async def _read_push(
         self, sender: str, reader: asyncio.StreamReader

@@ -13,14 +13,17 @@ Caller: the inference peer. Must not import torch; blocking work never runs in t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from hivemind.p2p import P2P, PeerID
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
@@ -33,6 +36,34 @@ logger = logging.getLogger(__name__)
 
 
 # ---- inference side ---------------------------------------------------------------------------------------
+async def push_payloads(
+    p2p: P2P, peer_id: PeerID, namespace: str | None, payloads: Iterable[rollouts_pb2.RolloutPayload]
+) -> rollouts_pb2.PushAck:
+    """One push: ``payloads`` in hivemind's stream framing (what ``rpc_push_rollouts``' stub sends), read the
+    ``PushAck`` while writing (a trainer may refuse from a frame's header and answer at once), then close
+    the stream *first*. The trainer keeps its end open until then (``RolloutIngestServicer._linger``): a
+    stream its receiver closes first can be reset by p2pd, and the reset can overtake the ack. Raises when
+    the stream ends without an ack."""
+    name = RolloutIngestServicer._get_handle_name(namespace, "rpc_push_rollouts")
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+
+    async def write() -> None:
+        for payload in payloads:
+            await P2P.send_protobuf(payload, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+    writing = asyncio.create_task(write())
+    try:
+        ack, error = await P2P.receive_protobuf(rollouts_pb2.PushAck, reader)
+        if error is not None:
+            raise RuntimeError(f"the trainer failed the push: {error.message}")
+        return ack
+    finally:
+        writing.cancel()
+        writer.close()
+        await asyncio.gather(writing, return_exceptions=True)  # its cancellation, not ours, is absorbed
+
+
 @dataclass
 class _Item:
     group: RolloutGroup
@@ -232,15 +263,11 @@ class RolloutPusher:
 
     async def _push(self, trainer: _Trainer, batch: list[_Item]) -> rollouts_pb2.PushAck:
         await self.loop.dial(trainer.peer_id, trainer.maddrs, timeout=self.config.push_timeout / 2)
-        stub = RolloutIngestServicer.get_stub(
-            self.loop.p2p, peer_id_of(trainer.peer_id), namespace=self.namespace
+        payloads = (
+            rollouts_pb2.RolloutPayload(rollout_id=item.group.rollout_id, group=item.payload)
+            for item in batch
         )
-
-        async def messages() -> AsyncIterator[rollouts_pb2.RolloutPayload]:
-            for item in batch:
-                yield rollouts_pb2.RolloutPayload(rollout_id=item.group.rollout_id, group=item.payload)
-
-        return await stub.rpc_push_rollouts(messages())
+        return await push_payloads(self.loop.p2p, peer_id_of(trainer.peer_id), self.namespace, payloads)
 
     def backoff(self, failures: int) -> float:
         """Seconds a trainer is not pushed to after ``failures`` failed pushes in a row: ``first_retry``

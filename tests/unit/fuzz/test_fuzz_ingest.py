@@ -95,8 +95,8 @@ def test_an_oversized_payload_is_refused_without_being_parsed(loop, ingest):
     assert peak < size + (1 << 20)  # at most that one copy: no parse, no second copy held
 
 
-def raw_stream(data: bytes) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
+def raw_stream(loop: asyncio.AbstractEventLoop, data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader(loop=loop)  # not the thread's current loop: there may be none
     reader.feed_data(data)
     reader.feed_eof()
     return reader
@@ -126,7 +126,7 @@ def test_the_push_frame_reader_refuses_from_headers_and_never_reads_past_a_limit
     """What a stranger writes on the push stream itself: any bytes, lying lengths, junk markers, a cut
     stream. The reader returns the payloads it could read and why it stopped; it never raises or hangs, and
     never accepts a frame longer than the limit."""
-    messages, refusal = run(loop, ingest._read_push("fuzzer", raw_stream(data)))
+    messages, refusal = run(loop, ingest._read_push("fuzzer", raw_stream(loop, data)))
     assert len(messages) <= LIMITS.max_groups_per_push + 1
     assert refusal is None or refusal.split(":")[0] in (
         "frame_too_large",
@@ -139,6 +139,8 @@ def test_the_push_frame_reader_refuses_from_headers_and_never_reads_past_a_limit
 
 def test_a_frame_claiming_a_terabyte_is_refused_from_its_header(loop, ingest):
     data = frame(b"\x00", b"\x00" * 16, claimed=1 << 40)
-    (messages, refusal), peak = peak_allocated(lambda: run(loop, ingest._read_push("big", raw_stream(data))))
+    (messages, refusal), peak = peak_allocated(
+        lambda: run(loop, ingest._read_push("big", raw_stream(loop, data)))
+    )
     assert messages == [] and refusal.startswith("frame_too_large")
     assert peak < 1 << 20

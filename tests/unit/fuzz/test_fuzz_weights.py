@@ -172,7 +172,7 @@ frames = st.builds(
 @FUZZ
 @given(st.lists(frames, max_size=5), st.binary(max_size=12))
 def test_the_chunk_stream_reader_turns_any_frames_into_parts_or_a_named_refusal(loop, frames, tail):
-    reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader(loop=loop)  # not the thread's current loop: there may be none
     reader.feed_data(b"".join(frames) + tail)
     reader.feed_eof()
     stream = ChunkStream(reader, _Writer(), max_frame=LIMITS.part_size + 256)
