@@ -17,9 +17,9 @@ from collections import Counter
 from typing import Any
 
 from echo_p2p.roles.base import BasePeer
+from echo_p2p.roles.trainer_catchup import CatchUp
 from echo_p2p.roles.trainer_weights import (
     elect_publisher,
-    orphaned_version,
     params_finite,
     peak_rss_mib,
     reload_last_good,
@@ -28,13 +28,6 @@ from echo_p2p.roles.trainer_weights import (
 from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
 
 logger = logging.getLogger(__name__)
-
-#: Seconds without a batch after which a trainer behind the other trainers downloads their state (it cannot
-#: step: rollouts of versions it has not reached go to other trainers), and the fewest seconds between two
-#: attempts; at least 4x the last attempt's duration, so downloads take at most a fifth of the time. (A
-#: trainer that waited 2 s, then 5 s, starved: the tiny model moves ~4 versions/s, 30 per wait.)
-CATCH_UP_IDLE = 1.0
-CATCH_UP_EVERY = 1.0
 
 
 class TrainerPeer(BasePeer):
@@ -49,10 +42,7 @@ class TrainerPeer(BasePeer):
         self.rollouts_consumed = 0
         self.skipped_batches = 0  # batches dropped for a non-finite loss or gradient
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
-        self.catch_ups = 0  # state downloads while idle and behind the other trainers
         self.versions_published = 0
-        self._catch_up_at = -float("inf")  # monotonic time before which no catch-up is tried
-        self._future_refused = 0  # pushes refused as future_version when last checked (_maybe_go_on_alone)
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
         self.publish_seconds = 0.0
@@ -66,6 +56,7 @@ class TrainerPeer(BasePeer):
         self._publishing = None  # the background publish in flight (async mode), a Future
         self._published_at = -float("inf")  # monotonic time of the last publish
         self._stepper = None
+        self.catch_up = None  # roles.trainer_catchup.CatchUp, built in on_start
         self.optimizer = None
         self.publisher = None
         self.loop = None
@@ -207,6 +198,16 @@ class TrainerPeer(BasePeer):
             self.intake = SyncIntake(
                 client, self.validator, self.task, self.config, self.stop_event, self.prefix()
             )
+        self.catch_up = CatchUp(
+            self.peer_id,
+            self._stepper,
+            self._reached,
+            self.guard.drift,
+            self.directory,
+            self.trust,
+            lambda: self.ingest.totals.rejected["future_version"] if self.ingest is not None else 0,
+            self.prefix(),
+        )
         if not self.trust.configured:
             logger.warning(
                 "%s the run declares no trainers (no run record, no --trusted-trainers): any peer that "
@@ -238,7 +239,7 @@ class TrainerPeer(BasePeer):
             self.idle_seconds += time.monotonic() - t0
             if batch is None:
                 idle_since = t0 if idle_since is None else idle_since
-                self._maybe_catch_up(idle_since)
+                self.catch_up.maybe(idle_since)
                 self._maybe_publish()  # a version skipped while a publish was in flight goes out now
                 continue
             idle_since = None
@@ -293,49 +294,6 @@ class TrainerPeer(BasePeer):
         self.metrics.write(self.policy_version, step=self.steps, **self.last_stats, **self._counters())
         extra = {"rollouts_consumed": self.rollouts_consumed, "version": self.policy_version}
         self.trackers.log({**self.last_stats, **extra}, self.steps)
-
-    def _maybe_catch_up(self, idle_since: float) -> None:
-        """Idle for ``CATCH_UP_IDLE`` s while the other trainers are ahead: download their state now
-        (``CollabTrainerStep.catch_up``); nobody samples at a version the publisher has left behind."""
-        now = time.monotonic()
-        if now - idle_since < CATCH_UP_IDLE or now < self._catch_up_at:
-            return
-        before = self._stepper.version
-        try:
-            loaded = self._stepper.catch_up()
-        finally:
-            ended = time.monotonic()
-            self._catch_up_at = ended + max(CATCH_UP_EVERY, 4 * (ended - now))
-        if not loaded:
-            self._maybe_go_on_alone(before)
-            return
-        self.catch_ups += 1
-        after = self._stepper.version
-        # the downloaded weights are not ours moved by an update: the drift over the span is unknown
-        self.guard.drift.record(before, after, None)
-        if self._reached(after):
-            logger.info(
-                "%s caught up with the other trainers: version %d -> %d", self.prefix(), before, after
-            )
-
-    def _maybe_go_on_alone(self, before: int) -> None:
-        """Behind a published version that no live trainer can give us (``orphaned_version``): hold the
-        version after it with our own weights instead of refusing every rollout for good. Looked at only
-        when pushes were refused as ``future_version`` since the last look (the directory reads cost)."""
-        refused = self.ingest.totals.rejected["future_version"] if self.ingest is not None else 0
-        if refused <= self._future_refused:
-            return
-        self._future_refused = refused
-        try:
-            target = orphaned_version(
-                self.peer_id, before, [e.record for e in self.directory.peers()],
-                [e.record for e in self.directory.policies()], self.trust,
-            )  # fmt: skip
-        except Exception:  # the DHT did not answer: try again at the next attempt
-            return
-        if target is not None and self._stepper.advance_to(target):
-            self.guard.drift.record(before, target, None)
-            self._reached(target)
 
     def _reached(self, version: int) -> bool:
         """The weights moved to ``version`` (an update or a download): hold it, drop what is too stale, publish;
@@ -470,7 +428,8 @@ class TrainerPeer(BasePeer):
             "publisher": self.is_publisher,
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
-            "catch_ups": self.catch_ups,
+            "catch_ups": self.catch_up.downloads if self.catch_up is not None else 0,
+            "went_on_alone": self.catch_up.went_on_alone if self.catch_up is not None else 0,
             "versions_published": self.versions_published,
             "peak_rss_mib": peak_rss_mib(),
         }

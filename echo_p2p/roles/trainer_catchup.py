@@ -1,0 +1,105 @@
+"""A trainer behind the run: when to download the other trainers' state, and when nobody can give it.
+
+Owned here: ``CatchUp``, the trainer peer's policy for catching up while idle (``SyncedOptimizer.catch_up``
+through ``CollabTrainerStep``) and for going on alone after the version it is behind was orphaned (its
+publisher left while this trainer was behind; ``trainer_weights.orphaned_version``). Kept apart from
+``trainer.py``, which wires the role's parts together. Caller: ``TrainerPeer.work``. See docs/protocol.md
+(catch-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from echo_p2p.roles.trainer_weights import orphaned_version
+
+logger = logging.getLogger(__name__)
+
+#: Seconds without a batch after which a trainer behind the other trainers downloads their state (it cannot
+#: step: rollouts of versions it has not reached go to other trainers), and the fewest seconds between two
+#: attempts; at least 4x the last attempt's duration, so downloads take at most a fifth of the time. (A
+#: trainer that waited 2 s, then 5 s, starved: the tiny model moves ~4 versions/s, 30 per wait.)
+CATCH_UP_IDLE = 1.0
+CATCH_UP_EVERY = 1.0
+
+
+class CatchUp:
+    """Catch-up attempts of one trainer.
+
+    :param stepper: the ``CollabTrainerStep`` (``version``, ``catch_up()``, ``advance_to(version)``)
+    :param reached: ``version -> bool``, called when the weights moved to a new version (``TrainerPeer._reached``)
+    :param drift: the guard's drift tracker (``record(before, after, None)``: a span whose drift is unknown)
+    :param future_refused: how many pushes the ingest refused as ``future_version`` so far (0 in sync mode)
+    :param directory: the swarm directory (``peers()``, ``policies()``), read only after new such refusals
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        stepper,
+        reached: Callable[[int], bool],
+        drift,
+        directory,
+        trust,
+        future_refused: Callable[[], int],
+        prefix: str = "",
+    ) -> None:
+        self.peer_id, self.stepper, self.reached, self.drift = peer_id, stepper, reached, drift
+        self.directory, self.trust, self.future_refused, self.prefix = (
+            directory,
+            trust,
+            future_refused,
+            prefix,
+        )
+        self.downloads = 0  # state downloads that moved this trainer
+        self.went_on_alone = 0  # times it took the version after an orphaned one
+        self._next_at = -float("inf")  # monotonic time before which no attempt is made
+        self._refused_seen = 0  # future_version refusals when the directory was last read
+
+    def maybe(self, idle_since: float) -> None:
+        """Idle for ``CATCH_UP_IDLE`` s while the other trainers are ahead: download their state now;
+        nobody samples at a version the publisher has left behind."""
+        now = time.monotonic()
+        if now - idle_since < CATCH_UP_IDLE or now < self._next_at:
+            return
+        before = self.stepper.version
+        try:
+            loaded = self.stepper.catch_up()
+        finally:
+            ended = time.monotonic()
+            self._next_at = ended + max(CATCH_UP_EVERY, 4 * (ended - now))
+        if not loaded:
+            self._maybe_go_on_alone(before)
+            return
+        self.downloads += 1
+        after = self.stepper.version
+        # the downloaded weights are not ours moved by an update: the drift over the span is unknown
+        self.drift.record(before, after, None)
+        if self.reached(after):
+            logger.info("%s caught up with the other trainers: version %d -> %d", self.prefix, before, after)
+
+    def _maybe_go_on_alone(self, before: int) -> None:
+        """Behind a published version that no live trainer can give us (``orphaned_version``): hold the
+        version after it with our own weights instead of refusing every rollout for good. Looked at only
+        when pushes were refused as ``future_version`` since the last look (the directory reads cost)."""
+        refused = self.future_refused()
+        if refused <= self._refused_seen:
+            return
+        self._refused_seen = refused
+        try:
+            target = orphaned_version(
+                self.peer_id, before, [e.record for e in self.directory.peers()],
+                [e.record for e in self.directory.policies()], self.trust,
+            )  # fmt: skip
+        except Exception:  # the DHT did not answer: try again at the next attempt
+            return
+        if target is not None and self.stepper.advance_to(target):
+            self.went_on_alone += 1
+            self.drift.record(before, target, None)
+            logger.warning(
+                "%s version %d was published by a trainer that left while this one was at %d: going on as %d",
+                self.prefix, target - 1, before, target,
+            )  # fmt: skip
+            self.reached(target)
