@@ -26,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase needs typing's for streams
 
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.tasks.base import Task, TaskError
 from echo_p2p.transport.rollout_config import SampleServerConfig
+from echo_p2p.transport.streams import LingeringServicer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class SampleError(str, Enum):
 Refusal = tuple[SampleError, str]
 
 
-class SampleServicer(ServicerBase):
+class SampleServicer(LingeringServicer):
     """Inference side of the sync pull (see the module doc).
 
     :param tasks: the tasks this peer samples, by name

@@ -25,12 +25,13 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, TypeVar  # noqa: UP035 (hivemind's ServicerBase reads typing.AsyncIterator)
 
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.p2p_loop import P2PLoop
+from echo_p2p.transport.streams import LingeringServicer
 from echo_p2p.transport.weights.stream import ChunkStream
 from echo_p2p.weights.manifest import ChunkStore, Manifest
 
@@ -176,8 +177,15 @@ def bitmap_indices(bitmap: bytes, n: int) -> set[int]:
     return {i for i in range(min(n, len(bitmap) * 8)) if bitmap[i // 8] >> (i % 8) & 1}
 
 
-class WeightsServicer(ServicerBase):
-    """Answers manifest, availability and chunk requests from other peers out of a ``WeightLibrary``."""
+class WeightsServicer(LingeringServicer):
+    """Answers manifest, availability and chunk requests from other peers out of a ``WeightLibrary``.
+
+    ``rpc_get_chunks`` ends with an end frame and keeps its stream until the receiver closes it (``streams``:
+    a provider that closed first could see its last parts dropped by a stream reset): up to
+    ``stream_linger`` s, what the tail of a stream takes through a relay on a home uplink."""
+
+    END_FRAME = frozenset({"rpc_get_chunks"})
+    stream_linger = 30.0
 
     def __init__(self, library: WeightLibrary, limits: ServiceLimits | None = None):
         self.library = library

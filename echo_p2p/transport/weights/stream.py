@@ -66,6 +66,9 @@ class ChunkStream:
         if marker == P2P.ERROR_MARKER:
             from hivemind.proto.p2pd_pb2 import RPCError
 
+            if not body:  # the provider's end frame (``transport.streams``): a clean end
+                return None
+
             try:
                 message = RPCError.FromString(body).message
             except Exception:
