@@ -39,6 +39,15 @@ from pathlib import Path
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
+def _run_sampling():
+    from echo_p2p.config import RunSettings
+
+    return RunSettings().sampling("transformers", "float32")  # the settings of the runs attacked here
+
+
+RUN_SAMPLING = _run_sampling()
+
+
 def trainers(directory) -> list:
     return [e.record for e in directory.peers() if e.record.role == "trainer" and e.record.state == "running"]
 
@@ -63,6 +72,7 @@ def poison_groups(
         prompt_token_ids=prompt,
         completions=completions,
         policy_version=version,
+        sampling=RUN_SAMPLING,  # claims the run's settings: nothing checks a claim but the log-probs
     )
     replay = group.model_copy(deep=True)
     replay.rollout_id = uuid.uuid4().hex

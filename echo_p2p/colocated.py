@@ -98,11 +98,12 @@ class ColocatedConfig(BaseModel):
     def _check(self) -> ColocatedConfig:
         if self.steps is None and self.duration is None:
             raise ValueError("set steps, duration or both: the run needs an end")
-        if self.sampling is not None and self.sampling.temperature != self.grpo.temperature:
-            raise ValueError(
-                f"sampling temperature {self.sampling.temperature} != grpo.temperature "
-                f"{self.grpo.temperature}: the ratios against the behaviour log-probs would be wrong"
-            )
+        for name in ("temperature", "top_k", "top_p"):
+            if self.sampling is not None and getattr(self.sampling, name) != getattr(self.grpo, name):
+                raise ValueError(
+                    f"sampling {name} {getattr(self.sampling, name)} != grpo.{name} "
+                    f"{getattr(self.grpo, name)}: the ratios against the behaviour log-probs would be wrong"
+                )
         return self
 
 
@@ -136,7 +137,10 @@ class ColocatedTrainer:
         self.optimizer = self.learner.make_optimizer()
         self.engine = TransformersEngine(self.model, self.tokenizer)
         self.sampling = config.sampling or SamplingParams(
-            temperature=grpo.temperature, max_new_tokens=self.task.max_new_tokens
+            temperature=grpo.temperature,
+            top_k=grpo.top_k,
+            top_p=grpo.top_p,
+            max_new_tokens=self.task.max_new_tokens,
         )
         self.metrics = MetricsWriter(config.metrics_dir, role="colocated", peer_id=config.name)
         self.rng = random.Random(config.seed)

@@ -58,6 +58,11 @@ class RunSettings(StrictModel):
     )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off)")
     top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off)")
+    sampler_precisions: list[Literal["float32", "bfloat16", "float16", "8bit", "4bit"]] | None = Field(
+        default=None,
+        description="Weight precisions of inference peers whose rollouts trainers accept (None: any); an "
+        "inference peer of another precision does not start",
+    )
     max_new_tokens: int | None = Field(
         default=None, ge=1, description="Completion length cap; None: the task's own cap"
     )
@@ -75,6 +80,23 @@ class RunSettings(StrictModel):
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"bad task_options for task {self.task!r}: {problems}") from None
         return self
+
+    def sampling(self, engine: str = "", precision: str = ""):
+        """What a rollout group says about how it was sampled (``rollout.Sampling``); trainers require
+        temperature, top_p and top_k to equal the run's."""
+        from echo_p2p.rollout import Sampling
+
+        return Sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            engine=engine,
+            precision=precision,
+        )
+
+    def sampler_precision(self) -> str:
+        """This peer's weight precision as rollouts report it: its quantisation, else its dtype."""
+        return self.model.quantize or self.model.dtype
 
     def sampling_params(self, task_max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         return SamplingParams(

@@ -28,6 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--model", default=None)
     s.add_argument("--task", default=None)
     s.add_argument("--mode", choices=["sync", "async"], default=None)
+    s.add_argument("--temperature", type=float, default=None, help="the run's sampling temperature")
+    s.add_argument("--top-p", type=float, default=None, help="the run's sampling top-p")
+    s.add_argument("--top-k", type=int, default=None, help="the run's sampling top-k")
+    s.add_argument(
+        "--sampler-precisions",
+        default=None,
+        help="comma-separated precisions of samplers whose rollouts count",
+    )
     s.add_argument("--note", default="")
     s.add_argument("--out", required=True, help="where to write the signed record")
     show = sub.add_parser("show", help="verify and print a signed run record")
@@ -60,6 +68,10 @@ def main(argv: list[str] | None = None) -> None:
             model=args.model,
             task=args.task,
             mode=args.mode,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            sampler_precisions=args.sampler_precisions.split(",") if args.sampler_precisions else None,
             note=args.note,
         )
         write_file(args.out, *sign(record, owner))

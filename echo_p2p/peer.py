@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_task_option_flag(run)
     run.add_argument("--group-size", type=int, default=None, help="completions per prompt (G)")
     run.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    run.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off)")
+    run.add_argument("--top-k", type=int, default=None, help="top-k sampling (0 = off)")
+    run.add_argument(
+        "--sampler-precisions",
+        default=None,
+        help="comma-separated weight precisions of samplers whose rollouts count (float32, bfloat16, "
+        "float16, 8bit, 4bit; default any)",
+    )
     run.add_argument("--max-new-tokens", type=int, default=None, help="completion length cap")
     inf = parser.add_argument_group("inference")
     inf.add_argument(
@@ -145,6 +153,9 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "run.task": args.task,
         "run.group_size": args.group_size,
         "run.temperature": args.temperature,
+        "run.top_p": args.top_p,
+        "run.top_k": args.top_k,
+        "run.sampler_precisions": args.sampler_precisions.split(",") if args.sampler_precisions else None,
         "run.max_new_tokens": args.max_new_tokens,
         "inference.trusted_trainers": args.trusted_trainers,
         "trainer.trusted_trainers": args.trusted_trainers,

@@ -35,6 +35,21 @@ class Completion(BaseModel):
     )
 
 
+class Sampling(BaseModel):
+    """How a group's completions were sampled. The trainer computes its log-probs under the same distribution
+    (temperature, top-k, top-p) and refuses settings the run does not allow (``train.ingest``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    temperature: float = Field(description="Softmax temperature the tokens were drawn at")
+    top_p: float = Field(default=1.0, description="Nucleus mass (1 = off)")
+    top_k: int = Field(default=0, description="Top-k (0 = off)")
+    engine: str = Field(default="", max_length=32, description="Sampling engine: transformers or vllm")
+    precision: str = Field(
+        default="", max_length=32, description="Sampler's weights: float32, bfloat16, float16, 8bit or 4bit"
+    )
+
+
 class RolloutGroup(BaseModel):
     """``G`` completions of one prompt sampled by one policy version."""
 
@@ -53,6 +68,9 @@ class RolloutGroup(BaseModel):
         default="", description="Peer id (base58) of the inference peer that sampled it"
     )
     sampled_at: float = Field(default=0.0, description="Sampler's wall-clock time when the group finished")
+    sampling: Sampling | None = Field(
+        default=None, description="How the completions were sampled (None: not said; a trainer refuses it)"
+    )
 
     @property
     def group_size(self) -> int:

@@ -64,6 +64,12 @@ class RunRecord(BaseModel):
     model: str | None = Field(default=None, max_length=128, description="Model preset or name the run trains")
     task: str | None = Field(default=None, max_length=64, description="Task the run trains on")
     mode: Literal["sync", "async"] | None = Field(default=None, description="Synchronisation mode")
+    temperature: float | None = Field(default=None, description="Sampling temperature of the run")
+    top_p: float | None = Field(default=None, description="Sampling top-p of the run")
+    top_k: int | None = Field(default=None, description="Sampling top-k of the run")
+    sampler_precisions: list[str] | None = Field(
+        default=None, max_length=8, description="Weight precisions of samplers whose rollouts count"
+    )
     note: str = Field(default="", max_length=MAX_STR, description="Free text for people (who runs it)")
 
     @field_validator("trainers")

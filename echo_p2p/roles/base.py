@@ -213,9 +213,17 @@ class BasePeer:
                 ("model", record.model, model),
                 ("task", record.task, run.task),
                 ("mode", record.mode, self.config.mode),
+                ("temperature", record.temperature, run.temperature),
+                ("top_p", record.top_p, run.top_p),
+                ("top_k", record.top_k, run.top_k),
             )
             if theirs is not None and theirs != ours
         ]
+        allowed, precision = record.sampler_precisions, run.sampler_precision()
+        if allowed and self.role == "inference" and precision not in allowed:
+            wrong.append(f"sampler precisions {allowed!r} (this peer samples with {precision!r})")
+        if allowed and self.role == "trainer" and sorted(allowed) != sorted(run.sampler_precisions or []):
+            wrong.append(f"sampler precisions {allowed!r} (this trainer: {run.sampler_precisions!r})")
         if wrong:
             message = f"the run record of {record.run_id} says " + ", ".join(wrong)
             if self.directory is not None and self._announcer is not None:  # found while running: stop

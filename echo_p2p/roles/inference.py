@@ -35,6 +35,7 @@ class InferencePeer(BasePeer):
         self.weights_wait_seconds = 0.0
         self.room_wait_seconds = 0.0
         self.engine = None
+        self.sampling = None  # rollout.Sampling: how this peer samples, written into every group
         self.fetcher = None
         self.pusher = None
         self.loop = None
@@ -62,6 +63,13 @@ class InferencePeer(BasePeer):
             torch.set_num_threads(section.threads)
         self.task = build_task(run.task, run.task_options)
         self.params = run.sampling_params(self.task.max_new_tokens)
+        precision = run.sampler_precision()
+        if run.sampler_precisions is not None and precision not in run.sampler_precisions:
+            raise ValueError(
+                f"this peer samples with {precision} weights; the run accepts rollouts of "
+                f"{', '.join(run.sampler_precisions)} samplers only"
+            )
+        self.sampling = run.sampling(section.engine, precision)
         if section.engine == "vllm":
             from echo_p2p.ml.engine_vllm import VllmEngine
 
@@ -170,6 +178,7 @@ class InferencePeer(BasePeer):
                     policy_version=version,
                     sampler_peer_id=self.peer_id,
                     sampled_at=time.time(),
+                    sampling=self.sampling,
                 )
             )
         tokens = sum(len(s.token_ids) for outs in samples for s in outs)

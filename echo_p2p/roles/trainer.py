@@ -92,6 +92,8 @@ class TrainerPeer(BasePeer):
         grpo = section.grpo.model_copy(
             update={
                 "temperature": run.temperature,
+                "top_k": run.top_k,
+                "top_p": run.top_p,
                 "pad_token_id": self.tokenizer.pad_token_id or 0,
                 # the policy the loss sees is the one inference peers hold (bf16 / fp16 or fp32)
                 "policy_precision": section.encoding.receiver_dtype or "fp32",
@@ -150,6 +152,8 @@ class TrainerPeer(BasePeer):
                 max_staleness=section.max_staleness if self.config.mode == "async" else 0,
                 reward_tolerance=section.reward_tolerance,
                 use_chat_template=run.model.use_chat_template,
+                sampling=run.sampling(),
+                precisions=run.sampler_precisions,
             ),
         )
         if self.config.mode == "async":
@@ -281,6 +285,7 @@ class TrainerPeer(BasePeer):
             "reward_std": round(std, 4),
             "loss": round(float(stats.get("loss", 0.0)), 5),
             "clip_frac": round(float(stats.get("clip_frac", 0.0)), 4),
+            "ratio_mean": round(float(stats.get("ratio_mean", 1.0)), 4),
             "logprob_gap_max": round(float(stats.get("logprob_gap_max", 0.0)), 4),
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "policy_drift": None if drift is None else round(drift, 4),

@@ -75,6 +75,17 @@ class GRPOConfig(BaseModel):
         description="Temperature of the log-probs; MUST equal the inference peers' sampling temperature, "
         "since the behaviour log-probs were computed at it.",
     )
+    top_k: int = Field(
+        default=0,
+        ge=0,
+        description="Top-k of the log-probs (0 = off); MUST equal the inference peers' sampling top-k.",
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Top-p of the log-probs (1 = off); MUST equal the inference peers' sampling top-p.",
+    )
     scale_rewards: bool = Field(
         default=True,
         description="Divide group-centred rewards by the group's std (GRPO). False: Dr. GRPO (centre only).",

@@ -70,8 +70,17 @@ def group_advantages(rewards: Sequence[float], scale_rewards: bool = True, eps: 
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of each token of ``input_ids`` under ``softmax(logits / temperature)`` of the position before.
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob of each token of ``input_ids`` under the sampling distribution of the position before:
+    ``softmax(filter(logits / temperature))``, where ``filter`` keeps the ``top_k`` largest values (0: all),
+    then the smallest set of the most likely ones whose probability reaches ``top_p`` (1: all), as the
+    engines sample (``ml.engine.process_logits``).
 
     :param logits: ``[B, K, V]`` causal-LM logits of the **last** ``K`` positions of ``input_ids``
         (``K = L``: all of them, the usual case; a model called with ``logits_to_keep=K`` gives fewer).
@@ -79,6 +88,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     :param input_ids: ``[B, L]``
     :param temperature: must equal the sampling temperature, since the behaviour log-probs were computed
         on ``softmax(logits / temperature)``; otherwise every ratio is off even for on-policy data.
+    :param top_k: must equal the sampling top-k (0 = off), and ``top_p`` the sampling top-p (1 = off), for
+        the same reason: with top-p 0.7 and the full softmax, on-policy ratios averaged 0.71 and half the
+        tokens were clipped. The token itself is always kept in the set, so that a token the sampler kept
+        but the trainer's (slightly different, or newer) logits would not gets a finite log-prob.
     :returns: ``[B, L]`` float32, aligned with ``input_ids``; column 0 (no previous position) and the
         columns that no given logits predict (``t <= L - K``) are 0.
 
@@ -86,9 +99,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     backward (``(onehot - softmax) / temperature``): the only full-vocabulary tensors alive are the
     logits themselves (kept for the backward) and, during the backward, their gradient. Autograd through
     ``logsumexp`` and ``gather`` held up to four logits-sized tensors at once.
-    Sampling-time logits processors other than temperature (top-k, top-p, repetition penalty) change the
-    behaviour distribution too; samplers that use them must report log-probs of the distribution they
-    actually sampled from, and the trainer's ratio is then only approximately right.
+    With a filter, the kept set is taken as fixed (it is piecewise constant in the logits): the gradient
+    flows through the kept logits only. Other logits processors (repetition penalty, ...) are not
+    supported: rollouts say how they were sampled and the trainer refuses other settings.
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 (greedy decoding has no log-probs to learn from)")
@@ -102,33 +115,43 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     # target is a placeholder whose log-prob is dropped, so its gradient is 0).
     targets = torch.zeros((batch, kept), dtype=torch.long, device=input_ids.device)
     targets[:, :-1] = input_ids[:, length - kept + 1 :]
-    logp = _TokenLogProbs.apply(logits, targets, float(temperature))[:, :-1]
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {top_k}, {top_p}")
+    logp = _TokenLogProbs.apply(logits, targets, float(temperature), int(top_k), float(top_p))[:, :-1]
     return torch.nn.functional.pad(logp, (length - kept + 1, 0), value=0.0)
 
 
 class _TokenLogProbs(torch.autograd.Function):
-    """``log_softmax(logits / T)`` at ``targets``, chunked over rows; saves the logits and the log-normaliser."""
+    """``log_softmax(filter(logits / T))`` at ``targets``, chunked over rows; saves the logits, the
+    log-normaliser and, with a filter, each row's cut-off (the smallest value kept)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float
+    ) -> torch.Tensor:
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)  # a view for a contiguous model output
         flat_targets = targets.reshape(-1, 1)
         lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         out = torch.empty_like(lse)
+        filtering = 0 < top_k < vocab or top_p < 1.0
+        cut = torch.empty_like(lse) if filtering else lse.new_empty(0)
         for rows in _row_chunks(flat.shape[0], vocab):
             scaled = _scaled(flat[rows], temperature)
+            if filtering:
+                cut[rows] = _cutoff(scaled, top_k, top_p)
+                scaled = _filtered(scaled, cut[rows], flat_targets[rows])
             lse[rows] = torch.logsumexp(scaled, dim=-1)
             out[rows] = scaled.gather(1, flat_targets[rows]).squeeze(1) - lse[rows]
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature = temperature
+        ctx.save_for_backward(logits, targets, lse, cut)
+        ctx.temperature, ctx.filtering = temperature, filtering
         return out.view(targets.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        logits, targets, lse = ctx.saved_tensors
+            return None, None, None, None, None
+        logits, targets, lse, cut = ctx.saved_tensors
         temperature = ctx.temperature
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
@@ -137,16 +160,42 @@ class _TokenLogProbs(torch.autograd.Function):
         grad = torch.empty(flat.shape, dtype=logits.dtype, device=logits.device)
         in_place = grad.dtype == torch.float32
         for rows in _row_chunks(flat.shape[0], vocab):
-            # d logp / d logits = (onehot(target) - softmax(logits / T)) / T, times the incoming gradient
+            # d logp / d logits = (onehot(target) - softmax(filter(logits / T))) / T, times the incoming
+            # gradient; a filtered-out logit has probability 0 (exp(-inf)) and gets no gradient
             chunk = grad[rows] if in_place else torch.empty(flat[rows].shape, device=grad.device)
-            torch.sub(_scaled(flat[rows], temperature), lse[rows].unsqueeze(1), out=chunk)
+            scaled = _scaled(flat[rows], temperature)
+            if ctx.filtering:
+                scaled = _filtered(scaled, cut[rows], flat_targets[rows])
+            torch.sub(scaled, lse[rows].unsqueeze(1), out=chunk)
             chunk.exp_().mul_(-g[rows])
             chunk.scatter_add_(1, flat_targets[rows], g[rows])
             if temperature != 1.0:
                 chunk.div_(temperature)
             if not in_place:
                 grad[rows] = chunk
-        return grad.view(logits.shape), None, None
+        return grad.view(logits.shape), None, None, None, None
+
+
+def _cutoff(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Per row of ``scaled`` [n, V], the smallest value the filter keeps: the ``top_k``-th largest (0: all),
+    then among those the last of the most likely ones whose mass before it is below ``top_p``."""
+    if 0 < top_k < scaled.shape[-1]:
+        ranked = torch.topk(scaled, top_k, dim=-1).values  # sorted, largest first
+    else:
+        ranked = torch.sort(scaled, dim=-1, descending=True).values
+    if top_p >= 1.0:
+        return ranked[:, -1]
+    probs = torch.softmax(ranked, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # of the strictly more likely ones: 0 for the top value
+    kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
+    return ranked.gather(1, kept - 1).squeeze(1)
+
+
+def _filtered(scaled: torch.Tensor, cut: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``scaled`` with the values below each row's ``cut`` at -inf, except each row's target."""
+    keep = scaled >= cut.unsqueeze(1)
+    keep.scatter_(1, targets, True)
+    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def _row_chunks(num_rows: int, vocab: int) -> list[slice]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
-from echo_p2p.rollout import RolloutGroup
+from echo_p2p.rollout import RolloutGroup, Sampling
 from echo_p2p.tasks.base import Task, TaskError
 from echo_p2p.train.buffer import ScoredGroup
 
@@ -61,6 +61,7 @@ class Reason(str, Enum):
     TOO_MANY = "too_many"  # more groups in one push than allowed
     DUPLICATE_CONTENT = "duplicate_content"  # the completions of a group already accepted, under a new id
     NOT_THE_SAMPLER = "not_the_sampler"  # ``sampler_peer_id`` names another peer than the one pushing it
+    SAMPLING_MISMATCH = "sampling_mismatch"  # sampled with settings the run does not allow (or none said)
     INTERNAL_ERROR = "internal_error"  # the trainer failed while checking it (a bug; logged)
 
 
@@ -120,6 +121,14 @@ class IngestConfig(BaseModel):
     )
     prompt_cache_size: int = Field(
         default=4096, ge=0, description="Rebuilt prompts kept in memory (tokenizing is the costly part)"
+    )
+    sampling: Sampling | None = Field(
+        default=None,
+        description="The run's sampling distribution: a group must say it was sampled with exactly this "
+        "temperature, top_p and top_k (the trainer's log-probs use them); None: not checked",
+    )
+    precisions: list[str] | None = Field(
+        default=None, description="Sampler weight precisions accepted (with ``sampling``); None: any"
     )
 
 
@@ -199,9 +208,30 @@ class IngestValidator:
                 f"version {group.policy_version} is {current_version - group.policy_version} behind "
                 f"(max {self.config.max_staleness})",
             )
+        if (rejection := self._check_sampling(group.sampling)) is not None:
+            return rejection
         if tuple(group.prompt_token_ids) != self.prompt_token_ids(group.task, group.prompt_id):
             return Rejection(Reason.PROMPT_MISMATCH, f"prompt tokens differ from prompt {group.prompt_id}")
         return self._rescore(group, task)
+
+    def _check_sampling(self, sampling: Sampling | None) -> Rejection | None:
+        run = self.config.sampling
+        if run is None:
+            return None
+        if sampling is None:
+            return Rejection(Reason.SAMPLING_MISMATCH, "the group does not say how it was sampled")
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(sampling, name) != getattr(run, name):
+                return Rejection(
+                    Reason.SAMPLING_MISMATCH,
+                    f"{name} {getattr(sampling, name)!r}, the run samples at {getattr(run, name)!r}",
+                )
+        if self.config.precisions is not None and sampling.precision not in self.config.precisions:
+            return Rejection(
+                Reason.SAMPLING_MISMATCH,
+                f"precision {sampling.precision[:32]!r} is not one the run allows ({', '.join(self.config.precisions)})",
+            )
+        return None
 
     def _check_shapes(self, group: RolloutGroup, task: Task) -> Rejection | None:
         vocab = self.config.vocab_size

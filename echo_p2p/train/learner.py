@@ -183,7 +183,7 @@ class Learner:
                 mb = mb.to(device)
                 keep = _positions_to_keep(mb)
                 logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
-                logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
+                logp = token_logprobs(logits, mb.input_ids, cfg.temperature, cfg.top_k, cfg.top_p)
                 del logits
                 if self._probe is None:
                     self._probe = self._take_probe(mb, logp, keep)
@@ -193,7 +193,9 @@ class Learner:
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
-                        ref_logp = token_logprobs(ref_logits, mb.input_ids, cfg.temperature)
+                        ref_logp = token_logprobs(
+                            ref_logits, mb.input_ids, cfg.temperature, cfg.top_k, cfg.top_p
+                        )
                         del ref_logits
                 loss, mb_stats = grpo_loss(
                     logp,
@@ -302,7 +304,9 @@ class Learner:
             return None
         with torch.no_grad(), self.policy_weights():
             logits = _forward_logits(self.model, input_ids, attention_mask, keep)
-            after = token_logprobs(logits, input_ids, self.config.temperature)
+            after = token_logprobs(
+                logits, input_ids, self.config.temperature, self.config.top_k, self.config.top_p
+            )
             del logits
         change = float(((after - before).abs() * completion_mask).sum()) / tokens
         return change if math.isfinite(change) else None

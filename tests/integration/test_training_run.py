@@ -34,7 +34,10 @@ def mean(xs):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
+    """Both modes learn; the sync run samples with top-p 0.9 and top-k 20, and its on-policy ratios stay at
+    1 (the trainer's log-probs use the same filter: with the full softmax they averaged well below 1)."""
     workdir = tmp_path / "run"
+    sampling = ["--peer-args=--top-p 0.9 --top-k 20"] if mode == "sync" else []
     proc = subprocess.run(
         [
             sys.executable,
@@ -50,6 +53,7 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
             "5",
             "--workdir",
             str(workdir),
+            *sampling,
         ],
         capture_output=True,
         text=True,
@@ -67,6 +71,9 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
         assert all(s["staleness_hist"] == {"0": s["staleness_hist"].get("0")} for s in steps), (
             "sync is on-policy"
         )
+        ratios = [s["ratio_mean"] for s in steps]
+        assert abs(mean(ratios) - 1) < 0.01 and max(abs(r - 1) for r in ratios) < 0.03, ratios
+        assert not any(s.get("rejected", {}).get("sampling_mismatch") for s in steps)
     assert "summary:" in proc.stdout and "rollout groups consumed" in proc.stdout, proc.stdout[-2000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["kind"] == "swarm" and summary["steps"] == len(steps)

@@ -130,3 +130,39 @@ def test_local_swarm_signs_a_run_record_of_its_trainers(tmp_path):
         swarm.config.task,
         swarm.config.mode,
     )
+
+
+def test_a_peer_sampling_otherwise_than_the_run_record_says_does_not_take_part(tmp_path):
+    """The run record fixes the sampling distribution (temperature, top-p, top-k) and the sampler precisions
+    whose rollouts count: a peer configured otherwise stops before it wastes compute on refused rollouts."""
+    import time
+
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.run_record import RunRecord
+    from echo_p2p.roles.inference import InferencePeer
+    from echo_p2p.roles.trainer import TrainerPeer
+
+    owner = load_or_create_identity(None)
+    base = ["--run-id", "r", "--initial-peers", MADDR, "--trusted-trainers", str(tmp_path / "t")]
+    (tmp_path / "t").write_text(owner.peer_id + "\n")
+    record = RunRecord(
+        run_id="r", owner_key=owner.public_key_bytes().decode(), trainers=[owner.peer_id], serial=1,
+        issued_at=time.time(), expires_at=time.time() + 60, top_p=0.7, top_k=20,
+        sampler_precisions=["float32", "8bit"],
+    )  # fmt: skip
+
+    def check(cls, *flags):
+        config = parse_config(["--role", cls.role, *base, *flags], environ={})
+        peer = cls(config, identity=owner)
+        peer._check_run_settings(record)
+
+    check(InferencePeer, "--top-p", "0.7", "--top-k", "20")
+    check(InferencePeer, "--top-p", "0.7", "--top-k", "20", "--quantize", "8bit")
+    with pytest.raises(ValueError, match="top_p 0.7"):
+        check(InferencePeer, "--top-k", "20")
+    with pytest.raises(ValueError, match="sampler precisions"):
+        check(InferencePeer, "--top-p", "0.7", "--top-k", "20", "--quantize", "4bit")
+    check(TrainerPeer, "--top-p", "0.7", "--top-k", "20", "--sampler-precisions", "8bit,float32")
+    with pytest.raises(ValueError, match="sampler precisions"):
+        check(TrainerPeer, "--top-p", "0.7", "--top-k", "20")
+    owner.cleanup()

@@ -234,3 +234,41 @@ def test_ratio_cap_bounds_loss_and_gradient_whatever_the_behaviour_logprob() -> 
         grpo_loss(
             torch.zeros(1, 2), behaviour, torch.tensor([0.0]), torch.tensor([[0.0, 1.0]]), ratio_cap=1.1
         )
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "temperature"), [(4, 1.0, 1.0), (0, 0.7, 1.0), (6, 0.8, 0.7), (1, 0.5, 1.0)]
+)
+def test_filtered_token_logprobs_match_the_engines_distribution_and_autograd(
+    monkeypatch, top_k, top_p, temperature
+) -> None:
+    """With top-k / top-p the log-probs are those of the distribution the engines sample from
+    (``process_logits``); the hand-written backward equals autograd through the masked log-softmax; a
+    target outside the kept set stays in it (finite log-prob) instead of -inf."""
+    import echo_p2p.train.grpo as grpo
+    from echo_p2p.ml.engine import SamplingParams, process_logits
+
+    monkeypatch.setattr(grpo, "_CHUNK_ELEMENTS", 3 * 11)  # several chunks
+    torch.manual_seed(3)
+    logits = (3 * torch.randn(2, 6, 11)).requires_grad_(True)
+    ids = torch.randint(0, 11, (2, 6))
+    weights = torch.randn(2, 6)
+    out = token_logprobs(logits, ids, temperature, top_k, top_p)
+    (out * weights).sum().backward()
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    engine = process_logits(logits.detach()[:, :-1], params)  # [2, 5, 11], -inf outside the kept set
+    kept = torch.isfinite(engine)
+    kept.scatter_(-1, ids[:, 1:].unsqueeze(-1), True)  # the target is always kept
+    ref_logits = logits.detach().double().requires_grad_(True)
+    masked = (ref_logits[:, :-1] / temperature).masked_fill(~kept, float("-inf"))
+    ref = torch.log_softmax(masked, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    (torch.nn.functional.pad(ref, (1, 0)) * weights.double()).sum().backward()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, 1:].double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, atol=1e-5, rtol=0)
+    inside = torch.isfinite(engine.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+    assert inside.any()  # where the engine could sample the token, it is exactly the engine's log-prob
+    torch.testing.assert_close(
+        out[:, 1:][inside], engine.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[inside], atol=1e-5, rtol=0
+    )

@@ -171,3 +171,36 @@ def test_rebuilt_prompts_are_cached(validator, tok, task):
     validator.validate(group, VERSION)
     assert validator.prompt_token_ids("count", 7) == tuple(group.prompt_token_ids)
     assert ("count", 7) in validator._prompts
+
+
+def test_a_group_sampled_with_other_settings_than_the_runs_is_refused(tok, task):
+    """The trainer's log-probs use the run's temperature, top-p and top-k: a group sampled otherwise (or one
+    that does not say) would get ratios that mean nothing, and a precision the run excludes is refused."""
+    from echo_p2p.rollout import Sampling
+
+    run = Sampling(temperature=0.8, top_p=0.9, top_k=20)
+    config = IngestConfig(vocab_size=len(tok), group_size=G, sampling=run, precisions=["float32", "8bit"])
+    validator = IngestValidator({"count": task}, tok, config)
+
+    def with_sampling(sampling):
+        group = make_group(tok, task)
+        group.sampling = sampling
+        return validator.validate(group, current_version=VERSION)
+
+    assert isinstance(
+        with_sampling(run.model_copy(update={"engine": "vllm", "precision": "8bit"})), ScoredGroup
+    )
+    assert isinstance(with_sampling(run.model_copy(update={"precision": "float32"})), ScoredGroup)
+    for sampling in (
+        None,
+        run.model_copy(update={"temperature": 1.0, "precision": "float32"}),
+        run.model_copy(update={"top_p": 1.0, "precision": "float32"}),
+        run.model_copy(update={"top_k": 0, "precision": "float32"}),
+        run.model_copy(update={"precision": "4bit"}),
+    ):
+        result = with_sampling(sampling)
+        assert reason_of(result) == Reason.SAMPLING_MISMATCH, sampling
+    # the settings travel on the wire and survive a round trip
+    group = make_group(tok, task)
+    group.sampling = run.model_copy(update={"engine": "transformers", "precision": "8bit"})
+    assert RolloutGroup.from_bytes(group.to_bytes()).sampling == group.sampling
