@@ -430,7 +430,14 @@ async def ask(node: Node, target: Node, keys: SwarmKeys, **fields) -> list[rollo
     stub = SampleServicer.get_stub(
         node.loop.p2p, peer_id_of(target.peer_id), namespace=rollout_namespace(keys)
     )
-    return [response async for response in await stub.rpc_sample(request)]
+    responses = []
+    stream = await stub.rpc_sample(request)
+    async for response in stream:  # as SampleClient reads: up to the groups asked for, or a refusal
+        responses.append(response)
+        if response.error or len(responses) >= len(request.prompt_ids):
+            break
+    await stream.aclose()  # the caller closes first (transport.streams)
+    return responses
 
 
 def test_sample_rpc_gets_the_version_before_sampling_and_refuses_bad_requests(nodes, run):
