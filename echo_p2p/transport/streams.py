@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import closing
+from contextlib import aclosing, closing
 from typing import Any
 
 from hivemind.p2p import P2P, P2PContext, ServicerBase
@@ -123,8 +123,9 @@ async def serve_lingering(
 
 async def _send_all(responses: AsyncIterator, writer: asyncio.StreamWriter, end_frame: bool) -> None:
     try:
-        async for response in responses:
-            await P2P.send_protobuf(response, writer)
+        async with aclosing(responses):  # a cancelled stream runs the handler's cleanup now, not at GC
+            async for response in responses:
+                await P2P.send_protobuf(response, writer)
         if end_frame:
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
     except (ConnectionError, asyncio.IncompleteReadError):
