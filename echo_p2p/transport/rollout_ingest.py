@@ -38,6 +38,7 @@ from echo_p2p.train.buffer import AddResult, ReplayBuffer, ScoredGroup
 from echo_p2p.train.ingest import Reason, Rejection
 from echo_p2p.transport.quota import PeerQuotas
 from echo_p2p.transport.rollout_config import IngestServerConfig
+from echo_p2p.transport.streams import until_closed
 
 logger = logging.getLogger(__name__)
 
@@ -149,21 +150,13 @@ class RolloutIngestServicer(ServicerBase):
         are resent). A sender that closes first, once it has the ack (``rollout_push.push_payloads``), never
         loses one. hivemind's generic stub waits for the trainer to close: it gets its ack ``ack_linger`` later.
         """
-        left = LINGER_BYTES
         try:
             async with asyncio.timeout(self.config.ack_linger):
-                while left > 0:
-                    chunk = await reader.read(min(64 * 1024, left))
-                    if not chunk:
-                        return
-                    left -= len(chunk)
-                    self._bytes.charge(sender, len(chunk))
+                await until_closed(reader, LINGER_BYTES, lambda n: self._bytes.charge(sender, n))
         except TimeoutError:
             logger.debug(
                 "push from %s: the sender kept the stream %.0f s past its ack", sender, self.config.ack_linger
             )
-        except Exception:  # a reset or a broken pipe after the ack: nothing more to do
-            pass
 
     async def _read_push(
         self, sender: str, reader: asyncio.StreamReader

@@ -109,7 +109,7 @@ async def serve_lingering(
 ) -> None:
     """Send ``responses`` (then an end frame), then wait up to ``linger`` s for the caller to close. The
     caller closing early (EOF while responses are produced) stops the production."""
-    gone = asyncio.create_task(_until_closed(reader))
+    gone = asyncio.create_task(until_closed(reader))
     producing = asyncio.create_task(_send_all(responses, writer, end_frame))
     try:
         await asyncio.wait({producing, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -138,14 +138,19 @@ async def _send_all(responses: AsyncIterator, writer: asyncio.StreamWriter, end_
             pass
 
 
-async def _until_closed(reader: asyncio.StreamReader) -> None:
-    """Read and discard until the caller closes (EOF or a broken stream), at most ``LINGER_BYTES``."""
-    left = LINGER_BYTES
+async def until_closed(
+    reader: asyncio.StreamReader, limit: int = LINGER_BYTES, charge: Callable[[int], None] | None = None
+) -> None:
+    """Read and discard until the caller closes (EOF or a broken stream), at most ``limit`` bytes; each read's
+    size goes to ``charge`` (a sender's byte quota). The caller bounds the time."""
+    left = limit
     try:
         while left > 0:
             chunk = await reader.read(min(64 * 1024, left))
             if not chunk:
                 return
             left -= len(chunk)
-    except Exception:
+            if charge is not None:
+                charge(len(chunk))
+    except Exception:  # a reset or a broken pipe: the caller is gone
         return
