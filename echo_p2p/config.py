@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from echo_p2p.ml.engine import SamplingParams
+from echo_p2p.ml.engine_vllm import VllmEngineConfig
 from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.network_config import NetworkConfig
@@ -112,7 +113,11 @@ class InferenceSection(StrictModel):
     """Settings of an inference peer."""
 
     engine: Literal["transformers", "vllm"] = Field(
-        default="transformers", description="Sampling engine (vllm: CUDA only, optional extra)"
+        default="transformers",
+        description="Sampling engine (vllm: an optional extra in its own environment, docs/engines.md)",
+    )
+    vllm: VllmEngineConfig = Field(
+        default_factory=VllmEngineConfig, description="Settings of the vLLM engine (engine: vllm)"
     )
     trusted_trainers: str | None = Field(
         default=None,

@@ -40,13 +40,18 @@ class Procs:
         self._n = 0
 
     def start(
-        self, *args: str, env: dict[str, str] | None = None, name: str | None = None
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        python: str | None = None,
     ) -> subprocess.Popen:
+        """``python args...`` (this interpreter unless another environment's is given)."""
         self._n += 1
         log = self.workdir / f"{name or 'proc'}-{self._n}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(
-            [sys.executable, *args],
+            [python or sys.executable, *args],
             cwd=str(self.workdir),
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
@@ -67,7 +72,9 @@ class Procs:
         assert proc.poll() is None, f"bootstrap exited: {read_log(proc)}"
         return proc, maddrs_file.read_text().split()[0]
 
-    def peer(self, role: str, run_id: str, maddr: str, *extra: str) -> subprocess.Popen:
+    def peer(
+        self, role: str, run_id: str, maddr: str, *extra: str, python: str | None = None
+    ) -> subprocess.Popen:
         return self.start(
             "-m",
             "echo_p2p.peer",
@@ -81,6 +88,7 @@ class Procs:
             LOOPBACK,
             *extra,
             name=role,
+            python=python,
         )
 
     def kill_group(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
@@ -150,11 +158,17 @@ class LabProcs(Procs):
                 self.hosts[key] = self.lab.public_host(f"{name}{len(self.hosts)}")
         return self.hosts[key]
 
-    def start(self, *args: str, env: dict[str, str] | None = None, name: str | None = None):
+    def start(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        python: str | None = None,
+    ):
         self._n += 1
         log = self.workdir / f"{name or 'proc'}-{self._n}.log"
         host = self.host_for(name or "proc", args)
-        argv = [sys.executable, *("/ip4/0.0.0.0/tcp/0" if a == LOOPBACK else a for a in args)]
+        argv = [python or sys.executable, *("/ip4/0.0.0.0/tcp/0" if a == LOOPBACK else a for a in args)]
         proc = self.lab.spawn(host, argv, log, env=env, cwd=self.workdir)
         proc.log_path = log  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -221,3 +235,28 @@ def write_run_record(
     )
     rr.write_file(path, *rr.sign(record, owner))
     return path
+
+
+def save_vllm_tiny_model(directory: Path, seed: int = 0) -> Path:
+    """The tiny preset with 32-wide attention heads (vLLM's CPU attention takes head sizes 32..512; the
+    preset's are 16), saved with the preset's tokenizer: a model directory every engine can load."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from echo_p2p.ml.models import TINY_ARCH, save_policy
+    from echo_p2p.ml.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **{**TINY_ARCH, "head_dim": 32},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return save_policy(model, tokenizer, directory)

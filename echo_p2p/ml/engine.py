@@ -17,6 +17,7 @@ RL defaults (``top_k=0``, ``top_p=1``) it is exactly the tempered policy a train
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import threading
 import time
@@ -228,6 +229,10 @@ class TransformersEngine(Engine):
             pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        # transformers renamed the forward's KV-cache argument (past_key_values -> cache, 5.2x); a model
+        # given the other name silently decodes every step without its context
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def device(self) -> torch.device:
@@ -296,7 +301,7 @@ class TransformersEngine(Engine):
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            cache=cache,
+            **{self._cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -350,7 +355,7 @@ class TransformersEngine(Engine):
                 input_ids=tok[:, None],
                 attention_mask=mask,
                 position_ids=next_pos[:, None],
-                cache=cache,
+                **{self._cache_arg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]

@@ -201,6 +201,15 @@ def _resolve_source(spec: ModelSpec) -> tuple[str, str | None]:
     return spec.path, None
 
 
+def _local_source(spec: ModelSpec) -> tuple[str, str | None, dict[str, Any]]:
+    """(directory or cache name, gguf file or None, ``from_pretrained`` keyword arguments: never download)."""
+    source, gguf_file = _resolve_source(spec)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    return source, gguf_file, kwargs
+
+
 def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the policy and its tokenizer as ``spec`` says, in eval mode, on ``spec.device``.
 
@@ -220,10 +229,7 @@ def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
             quantize_linear_layers_(model, spec.quantize)  # quantised where it runs
         return model.eval(), tokenizer
 
-    source, gguf_file = _resolve_source(spec)
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
+    source, gguf_file, kwargs = _local_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         if spec.quantize is not None:
@@ -251,6 +257,24 @@ def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), tokenizer
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    """The tokenizer ``load_policy`` returns for ``spec``, without loading the model (engines that load the
+    weights themselves use it, so that every peer encodes prompts as the trainer does)."""
+    from transformers import AutoTokenizer
+
+    from echo_p2p.ml.tokenizer import build_char_tokenizer, prepare_tokenizer
+
+    if spec.preset == "tiny":
+        return build_char_tokenizer()
+    source, _, kwargs = _local_source(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise ModelNotFoundError(f"tokenizer of {source!r} is not on this machine: {exc}") from exc
+    prepare_tokenizer(tokenizer)
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------------------------- quantisation

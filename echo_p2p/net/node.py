@@ -106,6 +106,10 @@ def start_dht(
     except Exception as exc:
         _kill(dht)
         raise NodeStartError(_explain_start_error(exc, network)) from None
+    finally:
+        # the daemon has read an ephemeral key file by now (or is gone): remove it, so that no private key
+        # outlives a peer that is killed before its shutdown runs
+        identity.cleanup()
     return dht
 
 

@@ -64,6 +64,8 @@ class InferencePeer(BasePeer):
         self.task = build_task(run.task, run.task_options)
         self.params = run.sampling_params(self.task.max_new_tokens)
         precision = run.sampler_precision()
+        if section.engine == "vllm":
+            precision = section.vllm.dtype or precision  # vLLM takes no bitsandbytes weights
         if run.sampler_precisions is not None and precision not in run.sampler_precisions:
             raise ValueError(
                 f"this peer samples with {precision} weights; the run accepts rollouts of "
@@ -73,7 +75,7 @@ class InferencePeer(BasePeer):
         if section.engine == "vllm":
             from echo_p2p.ml.engine_vllm import VllmEngine
 
-            self.engine = VllmEngine(run.model)
+            self.engine = VllmEngine(run.model, section.vllm)
             self.tokenizer = self.engine.tokenizer
         else:
             from echo_p2p.ml.engine import TransformersEngine
@@ -275,6 +277,7 @@ class InferencePeer(BasePeer):
     def figures(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             **self.role_fields(),
+            "engine": self.section.engine,
             "groups_sampled": self.groups_sampled,
             "tokens_sampled": self.tokens_sampled,
             "seconds_waiting_for_weights": round(self.weights_wait_seconds, 3),

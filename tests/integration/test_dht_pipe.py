@@ -8,6 +8,7 @@ receiving side; with 8 threads sending 100 KB commands the child died within a s
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import pytest
@@ -24,7 +25,10 @@ def test_the_dht_child_survives_concurrent_large_commands():
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.node import start_dht, stop_dht
 
-    dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), load_or_create_identity(None))
+    identity = load_or_create_identity(None)
+    dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), identity)
+    # an ephemeral key file is removed once the daemon has read it: a killed peer leaves no private key behind
+    assert not os.path.exists(identity.path)
     results: list[int] = []
     errors: list[str] = []
 

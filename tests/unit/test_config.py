@@ -107,7 +107,7 @@ def test_help_is_instant_and_imports_no_torch_or_hivemind(module):
     assert "HEAVY []" in r.stdout, r.stdout[-500:]
 
 
-@pytest.mark.parametrize("name", ["inference-gpu", "inference-cpu", "trainer"])
+@pytest.mark.parametrize("name", ["inference-gpu", "inference-cpu", "inference-vllm", "trainer"])
 def test_shipped_peer_configs_are_valid(name):
     path = REPO / "peers" / f"{name}.yaml"
     owner = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"  # what --join sets besides run id and peers
