@@ -29,7 +29,7 @@ def test_a_poisoning_stranger_is_refused_then_banned_and_the_run_keeps_learning(
 
     workdir = tmp_path / "run"
     local = subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.local", "--duration", "50", "--status-period", "30"]
+        [sys.executable, "-m", "echo_p2p.local", "--duration", "40", "--status-period", "30"]
         + ["--workdir", str(workdir)],
         stdout=open(tmp_path / "local.log", "wb"),
         stderr=subprocess.STDOUT,
@@ -44,7 +44,7 @@ def test_a_poisoning_stranger_is_refused_then_banned_and_the_run_keeps_learning(
         record, _, _ = read_file(workdir / "run-record.bin")
         join = f"{record.run_id}:{record.owner_peer_id()}@{(workdir / 'bootstrap.maddrs').read_text().split()[0]}"
         attacker = subprocess.Popen(
-            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "40"]
+            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "30"]
             + ["--report", str(report)],
             stdout=open(tmp_path / "attacker.log", "wb"),
             stderr=subprocess.STDOUT,

@@ -141,13 +141,13 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
 
 
 def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tmp_path):
-    """The second trainer starts 20 s into the run, versions behind: it must download the other's state
+    """The second trainer starts 15 s into the run, versions behind: it must download the other's state
     (rollouts of versions it has not reached are refused, so no step would ever bring it there), train
     in step with it, and leave publishing to the trainer that holds the newest version meanwhile."""
     workdir = tmp_path / "run2"
     proc = subprocess.run(
-        [sys.executable, "-m", "echo_p2p.local", "--trainers", "2", "--trainer-delay", "20"]
-        + ["--inference", "1", "--duration", "60", "--status-period", "15", "--workdir", str(workdir)],
+        [sys.executable, "-m", "echo_p2p.local", "--trainers", "2", "--trainer-delay", "15"]
+        + ["--inference", "1", "--duration", "48", "--status-period", "15", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         timeout=240,
