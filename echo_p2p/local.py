@@ -356,7 +356,10 @@ def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
         if config.until_reward is not None and reward_reached(runs, config.until_reward):
             print(f"reward reached {config.until_reward}: stopping", flush=True)
             return 0
-        swarm.stop_event.wait(config.status_period)
+        wait = config.status_period
+        if config.duration:  # the duration ends the run on time, not at the next status line
+            wait = min(wait, max(0.0, config.duration - (time.monotonic() - t0)))
+        swarm.stop_event.wait(wait)
     return 0
 
 
