@@ -79,6 +79,10 @@ def test_an_inference_peer_on_vllm_follows_every_version_and_its_logprobs_are_th
     # fp32 on both sides: the ratios are 1 to the metric's 4 decimals (a stale tied head: 0.97-0.99)
     assert abs(sum(ratios) / len(ratios) - 1) < 0.003 and max(abs(r - 1) for r in ratios) < 0.01, ratios
     assert not any(s.get("rejected") for s in done), [s.get("rejected") for s in done]
-    sampled = [x for x in metrics_lines(metrics, inference_id.peer_id) if x.get("version") is not None]
-    assert sampled and max(x["version"] for x in sampled) >= STEPS - 2, sampled[-1:]
-    assert {x["engine"] for x in sampled} == {"vllm"}
+
+    def sampled() -> list[dict]:
+        return [x for x in metrics_lines(metrics, inference_id.peer_id) if x.get("version") is not None]
+
+    # its own metrics say so too, at its next metrics line (one per metrics period, not per version)
+    wait_until(lambda: max((x["version"] for x in sampled()), default=0) >= STEPS - 2, 60, 1, "its metrics")
+    assert {x["engine"] for x in sampled()} == {"vllm"}
