@@ -114,7 +114,7 @@ class InferenceSection(StrictModel):
 
     engine: Literal["transformers", "vllm"] = Field(
         default="transformers",
-        description="Sampling engine (vllm: an optional extra in its own environment, docs/engines.md)",
+        description="Sampling engine (vllm: in its own environment, scripts/setup_vllm.sh)",
     )
     vllm: VllmEngineConfig = Field(
         default_factory=VllmEngineConfig, description="Settings of the vLLM engine (engine: vllm)"

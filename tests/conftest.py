@@ -240,23 +240,6 @@ def write_run_record(
 def save_vllm_tiny_model(directory: Path, seed: int = 0) -> Path:
     """The tiny preset with 32-wide attention heads (vLLM's CPU attention takes head sizes 32..512; the
     preset's are 16), saved with the preset's tokenizer: a model directory every engine can load."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from echo_p2p.ml.models import build_tiny_policy, save_policy
 
-    from echo_p2p.ml.models import TINY_ARCH, save_policy
-    from echo_p2p.ml.tokenizer import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **{**TINY_ARCH, "head_dim": 32},
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return save_policy(model, tokenizer, directory)
+    return save_policy(*build_tiny_policy(seed, head_dim=32), directory)

@@ -22,9 +22,9 @@ samples differ (vLLM seeds every child of an ``n > 1`` request alike).
 Weight updates: in memory, no file. The tensors a version changed (``update_weights``) or all of them
 (``load_weights``) are cast to the engine's dtype and handed to every worker through ``collective_rpc`` as
 raw bytes with their dtype and shape (so they cross vLLM's engine-process boundary whatever its serialiser
-does with tensors), at most ``update_batch_bytes`` per call; each worker loads them with its model's
-``load_weights`` (vLLM's own loader: it fuses qkv / gate-up itself). Then the prefix cache is reset so no
-KV block computed by the old version is reused.
+does with tensors), at most ``update_batch_bytes`` per call and never part of a module; each worker loads
+them with vLLM's in-place reload (its own loaders fuse qkv / gate-up; a tied output head is sent with its
+embedding). Then the prefix cache is reset so no KV block computed by the old version is reused.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class VllmEngineConfig(BaseModel):
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
+HEAD = "lm_head.weight"  # the output head, tied to the input embedding in many small models
 
 
 class EchoVllmWorkerExtension:
@@ -150,15 +151,11 @@ def with_tied_head(weights: Mapping[str, torch.Tensor], tied: bool) -> dict[str,
     return out
 
 
-HEAD = "lm_head.weight"
-
-
 def _ties_embeddings(model_dir: str) -> bool:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    text = getattr(config, "get_text_config", lambda: config)()
-    return bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def whole_modules(names, all_names) -> list[str]:
@@ -232,9 +229,8 @@ class VllmEngine(Engine):
         ):
             return spec.path, load_tokenizer(spec)
         model, tokenizer = load_policy(spec.model_copy(update={"device": "cpu", "dtype": "float32"}))
-        if (
-            getattr(model, "hf_quantizer", None) is not None
-        ):  # a GGUF file, dequantised on load: plain weights
+        if getattr(model, "hf_quantizer", None) is not None:
+            # a GGUF file, dequantised on load: save it as the plain weights it now holds
             model.hf_quantizer = None
             model.is_quantized = False
             if hasattr(model.config, "quantization_config"):

@@ -123,8 +123,8 @@ def _torch_dtype(name: str) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------- tiny
 
 
-def tiny_config(vocab_size: int, pad_token_id: int, eos_token_id: int) -> Any:
-    """The Qwen3Config of the tiny preset for a given vocabulary."""
+def tiny_config(vocab_size: int, pad_token_id: int, eos_token_id: int, **arch: Any) -> Any:
+    """The Qwen3Config of the tiny preset for a given vocabulary (``arch``: fields of ``TINY_ARCH`` changed)."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -132,20 +132,21 @@ def tiny_config(vocab_size: int, pad_token_id: int, eos_token_id: int) -> Any:
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
         bos_token_id=None,
-        **TINY_ARCH,
+        **{**TINY_ARCH, **arch},
     )
 
 
-def build_tiny_policy(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def build_tiny_policy(seed: int = 0, **arch: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The tiny preset in fp32 on CPU: weights depend only on ``seed`` (the global RNG is left untouched),
-    so every peer that builds it with the same seed holds bit-identical weights."""
+    so every peer that builds it with the same seed holds bit-identical weights. ``arch`` changes fields of
+    ``TINY_ARCH`` (e.g. ``head_dim=32`` for vLLM's CPU attention, which takes no narrower heads)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from echo_p2p.ml.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    config = tiny_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    config = tiny_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, **arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
