@@ -151,19 +151,32 @@ class ColocatedTrainer:
     def shutdown(self) -> None:
         self.stop_event.set()
 
-    def sample_groups(self, step: int) -> tuple[list[Any], dict[str, float]]:
+    def sample_groups(
+        self,
+        step: int,
+        engine: Any = None,
+        prompt_ids: list[int] | None = None,
+        version: int | None = None,
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Groups of ``prompts_per_step`` fresh prompts (or ``prompt_ids``) sampled with this process's
+        engine (or ``engine``: a benchmark's other sampler) and scored; tagged with the current version (or
+        ``version``, the one ``engine`` holds)."""
         from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
         from echo_p2p.rollout import Completion, RolloutGroup
         from echo_p2p.train.buffer import ScoredGroup
 
         cfg = self.config
-        ids = self.task.sample_prompt_ids(self.rng, cfg.prompts_per_step)
+        ids = (
+            prompt_ids
+            if prompt_ids is not None
+            else self.task.sample_prompt_ids(self.rng, cfg.prompts_per_step)
+        )
         prompts = encode_prompts(
             self.tokenizer, [self.task.prompt(i) for i in ids], cfg.model.use_chat_template
         )
         params = self.sampling.model_copy(update={"seed": (cfg.seed * 1_000_003 + step) % 2**63})
         t0 = time.perf_counter()
-        samples = self.engine.sample(prompts, cfg.group_size, params)
+        samples = (engine or self.engine).sample(prompts, cfg.group_size, params)
         t1 = time.perf_counter()
         groups = []
         tokens = 0
@@ -180,7 +193,7 @@ class ColocatedTrainer:
                 prompt_id=pid,
                 prompt_token_ids=prompt,
                 completions=comps,
-                policy_version=self.version,
+                policy_version=self.version if version is None else version,
                 sampler_peer_id=f"colocated-{cfg.name}",
                 sampled_at=time.time(),
             )

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 LossAggregation = Literal["token_mean", "seq_mean"]
+Objective = Literal["ppo", "decoupled"]
+BehaviourWeight = Literal["truncate", "mask", "off"]
 
 
 class GRPOConfig(BaseModel):
@@ -35,6 +37,25 @@ class GRPOConfig(BaseModel):
         default=0.2,
         ge=0,
         description="PPO clip above: the ratio is clipped at ``1 + clip_high`` (DAPO's clip-higher: 0.28).",
+    )
+    objective: Objective = Field(
+        default="ppo",
+        description="'ppo': the ratio to the sampler's behaviour log-probs is clipped (a token whose ratio "
+        "left the clip range teaches nothing). 'decoupled' (decoupled PPO, AReaL): the clip is taken against "
+        "the trainer's own policy before the update and the sampler's mismatch is a capped per-token weight "
+        "(``behaviour_cap`` / ``behaviour_weight``), so tokens of quantised or stale samplers still teach. "
+        "See ``grpo`` and ``benchmarks/objectives.py``.",
+    )
+    behaviour_cap: float = Field(
+        default=2.0,
+        gt=0,
+        description="'decoupled' objective: bound of the per-token weight (trainer policy / sampler).",
+    )
+    behaviour_weight: BehaviourWeight = Field(
+        default="truncate",
+        description="'decoupled' objective: a weight above ``behaviour_cap`` is cut to it ('truncate'), the "
+        "token is left out ('mask', AReaL's choice), or no weight is applied at all ('off': the sampler's "
+        "log-probs are ignored and its tokens are treated as on-policy).",
     )
     tis_cap: float | None = Field(
         default=None,

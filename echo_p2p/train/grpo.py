@@ -16,13 +16,25 @@ The objective, per completion token ``t`` of sequence ``i`` with advantage ``A_i
     loss_t   = -obj_t + kl_beta * k3_t                   # k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
 
 The ratio is taken against the behaviour log-probs that came with the rollout (PPO-style decoupling of
-the sampler from the learner): STACK.md measured it robust up to 4 versions stale. With ``tis_cap = c``
-the ratio is additionally truncated *on top of* the clip: ``r_t`` is replaced by a value ``min(r_t, c)``
-whose gradient is ``min(r_t, c) * grad(logp_t)`` (a detached truncation factor). The clip already stops
-the gradient of ``r > 1 + clip_high`` when ``A > 0``; the cap bounds the one branch the clip leaves open,
-``A < 0`` with a large ratio (a token that the current policy likes much more than the stale sampler
-did), whose loss and gradient would otherwise grow without bound. It is meant for async mode. A truncated
-weight on an *unclipped* loss collapsed in STACK.md's measurements: keep the clip.
+the sampler from the learner). With ``tis_cap = c`` the ratio is additionally truncated *on top of* the
+clip: ``r_t`` is replaced by a value ``min(r_t, c)`` whose gradient is ``min(r_t, c) * grad(logp_t)`` (a
+detached truncation factor); it bounds the one branch the clip leaves open, ``A < 0`` with a large ratio.
+
+``objective="decoupled"`` (decoupled PPO, as in AReaL, arXiv 2505.24298) separates the two roles that
+``r_t`` plays above: the *trust region* is taken against a proximal policy (the trainer's own policy before
+this update, ``proximal_logprobs``; by default this very policy, detached, which is exact for a learner
+that takes one optimizer step per batch), and the *off-policy correction* is a detached per-token weight
+from the proximal policy to the sampler's::
+
+    r_t   = exp(logp_t - prox_t)                          # 1 in value when prox is this policy
+    w_t   = cap(exp(prox_t - behaviour_logp_t))           # detached
+    obj_t = w_t * min(r_t * A_i, clip(r_t, 1 - clip_low, 1 + clip_high) * A_i)
+
+``behaviour_weight`` says how ``w_t`` is bounded by ``behaviour_cap``: ``"truncate"`` (min(w, cap)),
+``"mask"`` (0 above the cap: AReaL's choice) or ``"off"`` (w = 1: the sampler's log-probs are not used,
+the batch is treated as on-policy). Under ``"ppo"`` a token sampled by a quantised or stale sampler whose
+ratio left the clip range teaches nothing (its gradient is cut); under ``"decoupled"`` it still teaches,
+weighted by how likely the trainer's policy finds it (``benchmarks/objectives.py`` measures both).
 
 Loss aggregation (``agg``):
 - ``"token_mean"`` (default, DAPO): sum of token losses over the batch / number of completion tokens in
@@ -41,6 +53,8 @@ from typing import Any, Literal
 import torch
 
 LossAggregation = Literal["token_mean", "seq_mean"]
+Objective = Literal["ppo", "decoupled"]
+BehaviourWeight = Literal["truncate", "mask", "off"]
 
 
 def group_advantages(rewards: Sequence[float], scale_rewards: bool = True, eps: float = 1e-6) -> list[float]:
@@ -227,6 +241,10 @@ def grpo_loss(
     kl_beta: float = 0.0,
     agg: LossAggregation = "token_mean",
     normalizer: float | None = None,
+    objective: Objective = "ppo",
+    proximal_logprobs: torch.Tensor | None = None,
+    behaviour_cap: float = 2.0,
+    behaviour_weight: BehaviourWeight = "truncate",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO loss over one (micro-)batch; see the module docstring for the formulas.
 
@@ -242,6 +260,12 @@ def grpo_loss(
     :param agg: ``"token_mean"`` or ``"seq_mean"``
     :param normalizer: divide by this instead of this batch's token count (``token_mean``) or sequence
         count (``seq_mean``); pass the full batch's count when accumulating micro-batches
+    :param objective: ``"ppo"`` (clip against the behaviour log-probs) or ``"decoupled"`` (clip against
+        the proximal policy, behaviour mismatch as a capped detached weight); see the module docstring
+    :param proximal_logprobs: ``[B, L]`` the proximal policy's log-probs (``"decoupled"``); None: this
+        policy's, detached (one optimizer step per batch)
+    :param behaviour_cap: bound of the behaviour weight (``"decoupled"``), > 0
+    :param behaviour_weight: ``"truncate"``, ``"mask"`` or ``"off"`` (``"decoupled"``)
     :returns: ``(loss, stats)``; stats are means over this batch's completion tokens (``*_seq`` ones over
         sequences), with ``num_tokens`` and ``num_sequences`` to weight them when combining micro-batches.
     """
@@ -255,6 +279,10 @@ def grpo_loss(
         raise ValueError("kl_beta != 0 needs ref_logprobs")
     if agg not in ("token_mean", "seq_mean"):
         raise ValueError(f"unknown loss aggregation {agg!r}")
+    if objective not in ("ppo", "decoupled") or behaviour_weight not in ("truncate", "mask", "off"):
+        raise ValueError(f"unknown objective {objective!r} / behaviour weight {behaviour_weight!r}")
+    if behaviour_cap <= 0:
+        raise ValueError("behaviour_cap must be > 0")
     maskb = mask.bool()
     maskf = maskb.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -265,16 +293,31 @@ def grpo_loss(
     # Masked positions get log-ratio 0 (ratio 1) so that garbage there can never make inf/NaN.
     log_ratio = torch.where(maskb, logprobs - behaviour_logprobs.to(logprobs.dtype), zero)
     ratio = torch.exp(log_ratio.clamp(max=_STATS_LOG_RATIO_MAX))  # for the stats only: finite
-    # the ratio the objective sees: hard-bounded first (value and gradient stop at ratio_cap)
-    log_ratio_used = log_ratio.clamp(max=math.log(ratio_cap)) if ratio_cap is not None else log_ratio
-    if tis_cap is not None:
-        # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
-        excess = (log_ratio_used - math.log(tis_cap)).clamp(min=0.0).detach()
-        ratio_used = torch.exp(log_ratio_used - excess)
+    log_cap = math.log(behaviour_cap)
+    if objective == "decoupled":
+        prox = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.to(logprobs.dtype)
+        ratio_used = torch.exp(torch.where(maskb, logprobs - prox, zero))
+        log_weight = torch.where(maskb, prox - behaviour_logprobs.to(logprobs.dtype), zero).detach()
+        if behaviour_weight == "off":
+            weight = torch.ones_like(log_weight)
+        elif behaviour_weight == "truncate":
+            weight = torch.exp(log_weight.clamp(max=log_cap))
+        else:  # "mask": AReaL's choice, a token above the cap is left out
+            weight = torch.where(log_weight <= log_cap, torch.exp(log_weight.clamp(max=log_cap)), zero)
     else:
-        ratio_used = torch.exp(log_ratio_used)
+        # the ratio the objective sees: hard-bounded first (value and gradient stop at ratio_cap)
+        log_ratio_used = log_ratio.clamp(max=math.log(ratio_cap)) if ratio_cap is not None else log_ratio
+        if tis_cap is not None:
+            # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
+            excess = (log_ratio_used - math.log(tis_cap)).clamp(min=0.0).detach()
+            ratio_used = torch.exp(log_ratio_used - excess)
+        else:
+            ratio_used = torch.exp(log_ratio_used)
+        weight = log_weight = None
     clipped = ratio_used.clamp(1.0 - clip_low, 1.0 + clip_high)
     obj = torch.minimum(ratio_used * advantages, clipped * advantages)
+    if weight is not None:
+        obj = weight * obj
     token_loss = -obj
 
     kl = None
@@ -311,6 +354,11 @@ def grpo_loss(
             "clip_frac_high": tmean(clipped_high.to(maskf.dtype)),
             "clip_frac_low": tmean(clipped_low.to(maskf.dtype)),
             "ratio_mean": tmean(ratio),
+            # how far the sampler is from this policy, whatever the objective: tokens whose ratio to the
+            # behaviour log-prob lies outside the clip range
+            "behaviour_outside_clip_frac": tmean(
+                ((ratio > 1.0 + clip_high) | (ratio < 1.0 - clip_low)).to(maskf.dtype)
+            ),
             "ratio_max": float(torch.where(maskb, ratio, zero).max()) if num_tokens else 1.0,
             # k1 estimate of KL(behaviour || current) on the sampled tokens: how off-policy the batch is
             "behaviour_kl": tmean(-log_ratio),
@@ -320,7 +368,10 @@ def grpo_loss(
         }
         if tis_cap is not None:
             stats["tis_capped_frac"] = tmean((ratio > tis_cap).to(maskf.dtype))
-        if ratio_cap is not None:
+        if weight is not None and log_weight is not None:
+            stats["behaviour_capped_frac"] = tmean((log_weight > log_cap).to(maskf.dtype))
+            stats["behaviour_weight_mean"] = tmean(weight)
+        if ratio_cap is not None and weight is None:
             stats["ratio_capped_frac"] = tmean((ratio > ratio_cap).to(maskf.dtype))
         if kl is not None:
             stats["kl"] = tmean(kl)

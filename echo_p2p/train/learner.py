@@ -210,6 +210,9 @@ class Learner:
                     kl_beta=cfg.kl_beta,
                     agg=cfg.loss_agg,
                     normalizer=normalizer,
+                    objective=cfg.objective,
+                    behaviour_cap=cfg.behaviour_cap,
+                    behaviour_weight=cfg.behaviour_weight,
                 )
                 if loss.requires_grad:
                     loss.backward()

@@ -272,3 +272,87 @@ def test_filtered_token_logprobs_match_the_engines_distribution_and_autograd(
     torch.testing.assert_close(
         out[:, 1:][inside], engine.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[inside], atol=1e-5, rtol=0
     )
+
+
+# ----------------------------------------------------------------------------------- decoupled objective
+# The same tokens as ``_tiny_case`` (ratios to the behaviour log-probs 1.1, 1.5, 0.5, 1.5, 0.5; advantages
+# 1, 1, -1, -1, 2). Under "decoupled" the clip is taken against this policy (ratio 1 in value), so every
+# token's gradient is its behaviour weight w = cap(ratio) times A: none is cut by the clip.
+
+
+def _decoupled_grad(weights: list[float], **kwargs) -> tuple[float, torch.Tensor, dict[str, float]]:
+    logp, behaviour, adv, mask = _tiny_case()
+    loss, stats = grpo_loss(logp, behaviour, adv, mask, objective="decoupled", **kwargs)
+    loss.backward()
+    expected = -torch.tensor([[0.0] + [w * a for w, a in zip(weights, _ADV[1:], strict=True)]]) / 5
+    torch.testing.assert_close(logp.grad, expected, atol=1e-6, rtol=0)
+    return loss.item(), logp.grad, stats
+
+
+def test_decoupled_weights_every_token_by_its_truncated_behaviour_ratio() -> None:
+    truncated = [min(r, 1.3) for r in _RATIOS[1:]]
+    loss, _, stats = _decoupled_grad(truncated, behaviour_cap=1.3)
+    assert loss == pytest.approx(-sum(w * a for w, a in zip(truncated, _ADV[1:], strict=True)) / 5, abs=1e-6)
+    assert stats["clip_frac"] == 0.0  # the clip is against this policy: nothing is cut
+    assert stats["behaviour_outside_clip_frac"] == pytest.approx(4 / 5)  # 1.5, 0.5, 1.5, 0.5 vs [0.8, 1.2]
+    assert stats["behaviour_capped_frac"] == pytest.approx(2 / 5)
+    assert stats["behaviour_weight_mean"] == pytest.approx(sum(truncated) / 5, abs=1e-6)
+    # the ppo objective on the same tokens cuts two of them (t2: r 1.5 A>0, t3: r 0.5 A<0)
+    logp, behaviour, adv, mask = _tiny_case()
+    ppo_loss, _ = grpo_loss(logp, behaviour, adv, mask)
+    ppo_loss.backward()
+    assert int((logp.grad[0, 1:] == 0).sum()) == 2
+
+
+def test_decoupled_mask_leaves_out_tokens_above_the_cap_and_off_ignores_the_sampler() -> None:
+    masked = [r if r <= 1.3 else 0.0 for r in _RATIOS[1:]]
+    _decoupled_grad(masked, behaviour_cap=1.3, behaviour_weight="mask")
+    _, _, stats = _decoupled_grad([1.0] * 5, behaviour_weight="off")
+    assert stats["behaviour_weight_mean"] == 1.0
+
+
+def test_decoupled_equals_ppo_on_policy() -> None:
+    """Sampler == trainer: both objectives give the same loss and gradient (plain policy gradient)."""
+    torch.manual_seed(3)
+    behaviour = -torch.rand(3, 6) * 3
+    adv, mask = torch.randn(3), (torch.rand(3, 6) > 0.3).float()
+    grads = []
+    for objective in ("ppo", "decoupled"):
+        logp = behaviour.clone().requires_grad_(True)
+        loss, _ = grpo_loss(logp, behaviour, adv, mask, objective=objective)
+        loss.backward()
+        grads.append((loss.item(), logp.grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-6, rtol=0)
+
+
+def test_decoupled_clips_against_a_given_proximal_policy() -> None:
+    """With the proximal log-probs of an earlier step, the clip works as PPO's against them."""
+    proximal = torch.tensor([[0.0, -1.0, -1.0]])
+    logp = (proximal + torch.log(torch.tensor([[1.0, 1.5, 1.1]]))).requires_grad_(True)
+    behaviour = proximal.clone()  # the sampler was the proximal policy: weight 1
+    loss, stats = grpo_loss(
+        logp, behaviour, torch.tensor([1.0]), torch.tensor([[0.0, 1.0, 1.0]]),
+        objective="decoupled", proximal_logprobs=proximal,
+    )  # fmt: skip
+    loss.backward()
+    assert loss.item() == pytest.approx(-(1.2 + 1.1) / 2, abs=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, -1.1 / 2]]), atol=1e-6, rtol=0)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+
+
+def test_decoupled_loss_is_bounded_whatever_the_behaviour_logprob() -> None:
+    for adv in (-1.0, 1.0):
+        behaviour = torch.tensor([[0.0, -1e30, 0.0]])
+        logp = torch.tensor([[0.0, -0.7, -50.0]], requires_grad=True)
+        loss, stats = grpo_loss(
+            logp, behaviour, torch.tensor([adv]), torch.tensor([[0.0, 1.0, 1.0]]), objective="decoupled"
+        )
+        loss.backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+        assert abs(loss.item()) <= 2.0 * abs(adv)  # the weight is at most the cap (2)
+        assert all(math.isfinite(v) for v in stats.values())
+    with pytest.raises(ValueError):
+        grpo_loss(
+            logp, behaviour, torch.tensor([1.0]), torch.ones(1, 3), objective="decoupled", behaviour_cap=0
+        )
