@@ -182,7 +182,9 @@ class ColocatedTrainer:
         tokens = 0
         for pid, prompt, group in zip(ids, prompts, samples, strict=True):
             texts = [decode_completion(self.tokenizer, s.token_ids) for s in group]
-            rewards = self.task.score_batch([pid] * len(texts), texts)
+            rewards = self.task.score_batch(
+                [pid] * len(texts), texts, completion_ids=[s.token_ids for s in group]
+            )
             comps = [
                 Completion(token_ids=s.token_ids, logprobs=s.logprobs, claimed_reward=r, finished=s.finished)
                 for s, r in zip(group, rewards, strict=True)

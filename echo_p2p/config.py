@@ -185,7 +185,11 @@ class TrainerSection(StrictModel):
         default=None, ge=1, description="Replay buffer size in groups (None: from batch and staleness)"
     )
     reward_tolerance: float = Field(
-        default=1e-3, ge=0, description="Largest claimed-vs-rescored reward gap not counted as forged"
+        default=1e-3,
+        ge=0,
+        allow_inf_nan=False,
+        description="Claimed-vs-rescored reward gap not counted as forged, relative: accepted when "
+        "|claimed - rescored| <= reward_tolerance * max(1, |rescored|) (rewards may have any scale)",
     )
     max_prompt_tokens: int = Field(default=1024, ge=1, description="Longest prompt accepted (tokens)")
     encoding: EncodingConfig = Field(

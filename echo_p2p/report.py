@@ -11,6 +11,7 @@ matplotlib is imported only by ``plot_reward``, with the non-interactive Agg bac
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -216,6 +217,15 @@ def reward_reached(runs: Runs, target: float) -> bool:
     return len(merged) >= WINDOW and mean([x["reward_mean"] for x in merged[-WINDOW:]]) >= target
 
 
+def reward_axis(values: list[float]) -> tuple[float, float]:
+    """The plot's reward range: [0, 1] (the built-in tasks' range) widened to every value, 2% margin on each
+    side. Rewards may have any scale (a plug-in task's weighted sum may be negative or above 1)."""
+    finite = [v for v in values if math.isfinite(v)]
+    lo, hi = min([0.0, *finite]), max([1.0, *finite])
+    margin = 0.02 * (hi - lo)
+    return lo - margin, hi + margin
+
+
 def plot_reward(
     curves: dict[str, list[tuple[float, float]]], path: Path, title: str, xlabel: str = "seconds since start"
 ) -> Path:
@@ -229,6 +239,7 @@ def plot_reward(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    ax.set_ylim(*reward_axis([y for points in curves.values() for _, y in points]))
     for i, (label, points) in enumerate(curves.items()):
         if not points:
             continue
@@ -238,7 +249,6 @@ def plot_reward(
         ax.plot(xs, moving_mean(list(ys)), color=color, label=f"{label} ({WINDOW}-step mean)")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("mean reward of the step's rollouts")
-    ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.set_title(title)
     ax.legend(loc="lower right")

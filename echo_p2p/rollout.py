@@ -13,7 +13,13 @@ import hashlib
 import uuid
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: Largest reward magnitude on the wire. Rewards are any finite real (a TRL-style length penalty or a -1..1
+#: correctness score keeps its meaning), but every message from a peer is untrusted, so a claimed reward is
+#: bounded: a record with ``|claimed_reward| > MAX_ABS_REWARD`` (or NaN, or infinity) does not parse. Tasks
+#: keep their rewards within it (``tasks.plugin`` clips a user function's values to it and logs).
+MAX_ABS_REWARD = 1e6
 
 
 class Completion(BaseModel):
@@ -28,7 +34,11 @@ class Completion(BaseModel):
         description="Behaviour log-prob of each sampled token under the sampling distribution, same length as token_ids"
     )
     claimed_reward: float = Field(
-        description="Reward computed by the sampler; trainers re-score and never trust it"
+        ge=-MAX_ABS_REWARD,
+        le=MAX_ABS_REWARD,
+        allow_inf_nan=False,
+        description="Reward computed by the sampler, any finite float in [-MAX_ABS_REWARD, MAX_ABS_REWARD] "
+        "(1e6); trainers re-score and never trust it",
     )
     finished: bool = Field(
         default=True, description="True when the completion ended with EOS (not truncated)"
@@ -94,11 +104,18 @@ class RolloutGroup(BaseModel):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RolloutGroup:
-        """Parse untrusted bytes; raises ``ValueError`` (pydantic ``ValidationError`` included) on bad input."""
+        """Parse untrusted bytes; raises ``ValueError`` on bad input, its message one line naming the first
+        bad field (e.g. ``completions.0.claimed_reward: Input should be a finite number``)."""
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ValueError(f"not a msgpack record: {exc}") from exc
         if not isinstance(obj, dict):
             raise ValueError("rollout record must be a map")
-        return cls.model_validate(obj)
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(map(str, first["loc"])) or "record"
+            more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+            raise ValueError(f"{where}: {first['msg']}{more}") from exc

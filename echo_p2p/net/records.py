@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from echo_p2p import PROTOCOL_VERSION, __version__
 from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.rollout import MAX_ABS_REWARD
 
 Role = Literal["inference", "trainer", "bootstrap"]
 MAX_MADDRS = 16
@@ -139,10 +140,11 @@ class PeerRecord(WireRecord):
     )
     reward_mean: float | None = Field(
         default=None,
-        ge=-1e6,
-        le=1e6,
+        ge=-MAX_ABS_REWARD,
+        le=MAX_ABS_REWARD,
         allow_inf_nan=False,
-        description="Trainer: mean re-scored reward of its last (up to 10) steps",
+        description="Trainer: mean re-scored reward of its last (up to 10) steps (any scale, within the wire "
+        "bound of a reward, ±1e6)",
     )
     chunks_served: int | None = Field(
         default=None, ge=0, description="Policy chunks this peer served to others since it started"

@@ -165,7 +165,9 @@ class InferencePeer(BasePeer):
         groups = []
         for prompt_id, prompt, outs in zip(prompt_ids, prompts, samples, strict=True):
             completions_text = [decode_completion(self.tokenizer, s.token_ids) for s in outs]
-            rewards = self.task.score_batch([prompt_id] * len(outs), completions_text)
+            rewards = self.task.score_batch(
+                [prompt_id] * len(outs), completions_text, completion_ids=[s.token_ids for s in outs]
+            )
             groups.append(
                 RolloutGroup(
                     task=self.task.name,

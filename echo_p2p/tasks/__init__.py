@@ -1,4 +1,4 @@
-"""Tasks and reward verifiers: deterministic prompts from integer ids, and scores in [0, 1].
+"""Tasks and reward verifiers: deterministic prompts from integer ids, and finite rewards.
 
 Built-ins: ``count`` and ``letter`` (toy tasks a tiny model learns in seconds), ``arithmetic`` (levels 1-4)
 and ``sokoban`` (Echo's workload); ``plugin`` takes a TRL-style reward function and a prompt file.

@@ -5,6 +5,9 @@ and ``TaskError``. Called by the inference peer (prompt text, claimed rewards), 
 prompt from its id and re-scores every completion: it trusts nothing it can recompute) and the registry.
 Must not import torch, transformers or hivemind: the trainer validates with tasks and the CLI stays instant.
 Scoring must never raise on an odd completion text: untrusted text scores low, it does not crash a peer.
+A reward is any finite float within ``rollout.MAX_ABS_REWARD`` (1e6, the wire bound of
+``rollout.Completion``): the built-in tasks score in [0, 1], a plug-in task's weighted sum of user functions
+may be negative or above 1.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ class Task(ABC):
     """A source of prompts and the verifier that scores completions of them.
 
     A prompt is identified by an integer ``prompt_id``: ``prompt(prompt_id)`` is a pure function of the id and
-    the task's options, so a trainer rebuilds any prompt from the id a rollout carries. Rewards are in [0, 1].
+    the task's options, so a trainer rebuilds any prompt from the id a rollout carries. A reward is a finite
+    float within ``rollout.MAX_ABS_REWARD`` of 0 (any scale: GRPO normalises it per group), and a pure
+    function of the prompt id, the completion text and its token ids: the trainer re-scores every completion
+    and refuses a claim that differs (``train.ingest``).
     """
 
     #: Registry name of the task (a rollout's ``task`` field).
@@ -52,13 +58,25 @@ class Task(ABC):
 
     @abstractmethod
     def score(self, prompt_id: int, completion_text: str) -> float:
-        """Reward in [0, 1] of ``completion_text`` (decoded without special tokens) as an answer to
-        ``prompt_id``."""
+        """Reward (a finite float, see the class doc) of ``completion_text`` (decoded without special tokens)
+        as an answer to ``prompt_id``."""
 
-    def score_batch(self, prompt_ids: Sequence[int], completion_texts: Sequence[str]) -> list[float]:
-        """Rewards of several completions (a task may batch its verifier; default: one by one)."""
+    def score_batch(
+        self,
+        prompt_ids: Sequence[int],
+        completion_texts: Sequence[str],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[float]:
+        """Rewards of several completions (a task may batch its verifier; default: one by one).
+
+        ``completion_ids`` are the completions' token ids as sampled (EOS included if sampled), one list per
+        text, for a verifier that scores tokens (a TRL reward function's ``completion_ids``); the built-in
+        tasks ignore them. The inference peer (claimed reward) and the trainer (re-score) both pass them.
+        """
         if len(prompt_ids) != len(completion_texts):
             raise TaskError(f"{len(prompt_ids)} prompt ids for {len(completion_texts)} completions")
+        if completion_ids is not None and len(completion_ids) != len(completion_texts):
+            raise TaskError(f"{len(completion_ids)} token id lists for {len(completion_texts)} completions")
         return [self.score(p, c) for p, c in zip(prompt_ids, completion_texts, strict=True)]
 
     def check_prompt_id(self, prompt_id: int) -> int:
@@ -86,10 +104,3 @@ class Task(ABC):
         return (
             f"{self.name} (prompts: {self.num_prompts or 'unbounded'}, max_new_tokens: {self.max_new_tokens})"
         )
-
-
-def clamp01(value: float) -> float:
-    """``value`` clipped to [0, 1]; NaN becomes 0."""
-    if value != value:  # NaN
-        return 0.0
-    return 0.0 if value < 0 else 1.0 if value > 1 else float(value)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
-from echo_p2p.rollout import RolloutGroup, Sampling
+from echo_p2p.rollout import MAX_ABS_REWARD, RolloutGroup, Sampling
 from echo_p2p.tasks.base import Task, TaskError
 from echo_p2p.train.buffer import ScoredGroup
 
@@ -110,7 +110,10 @@ class IngestConfig(BaseModel):
     reward_tolerance: float = Field(
         default=1e-3,
         ge=0,
-        description="Largest |claimed - re-scored| reward accepted; above it: forged_reward",
+        allow_inf_nan=False,
+        description="Relative tolerance of the re-score: a claimed reward is accepted when "
+        "|claimed - re-scored| <= reward_tolerance * max(1, |re-scored|), else forged_reward (absolute for "
+        "rewards within [-1, 1], relative to the reward's size above: rewards may have any scale)",
     )
     tasks: list[str] | None = Field(
         default=None, description="Task names accepted; None: every task the validator was given"
@@ -130,6 +133,16 @@ class IngestConfig(BaseModel):
     precisions: list[str] | None = Field(
         default=None, description="Sampler weight precisions accepted (with ``sampling``); None: any"
     )
+
+
+def reward_matches(claimed: float, rescored: float, tolerance: float) -> bool:
+    """True when a sampler's ``claimed`` reward agrees with the trainer's ``rescored`` one:
+    ``|claimed - rescored| <= tolerance * max(1, |rescored|)``. The bound is relative to the re-score (the
+    trusted value, so a forger cannot widen it with a huge claim) and never tighter than ``tolerance`` in
+    absolute terms, so rewards near 0 are compared as before. Both peers run the same verifier on the same
+    text and token ids and the float travels exactly, so an honest claim is equal, bar a verifier that is not
+    deterministic."""
+    return abs(claimed - rescored) <= tolerance * max(1.0, abs(rescored))
 
 
 class IngestValidator:
@@ -271,17 +284,26 @@ class IngestValidator:
                 )
             if not math.isfinite(completion.claimed_reward):
                 return Rejection(Reason.NON_FINITE, f"completion {i} has a non-finite claimed reward")
+            if abs(completion.claimed_reward) > MAX_ABS_REWARD:
+                return Rejection(
+                    Reason.MALFORMED,
+                    f"completion {i} claims a reward of {completion.claimed_reward:.4g}, "
+                    f"beyond ±{MAX_ABS_REWARD:g}",
+                )
         return None
 
     def _rescore(self, group: RolloutGroup, task: Task) -> ScoredGroup | Rejection:
         texts = [decode_completion(self.tokenizer, c.token_ids) for c in group.completions]
-        rewards = task.score_batch([group.prompt_id] * len(texts), texts)
-        if len(rewards) != len(texts) or not all(math.isfinite(r) for r in rewards):
+        rewards = task.score_batch(
+            [group.prompt_id] * len(texts), texts, completion_ids=[c.token_ids for c in group.completions]
+        )
+        if len(rewards) != len(texts) or not all(
+            math.isfinite(r) and abs(r) <= MAX_ABS_REWARD for r in rewards
+        ):
             logger.error("task %s returned bad rewards %r", task.name, rewards[:4])
             return Rejection(Reason.INTERNAL_ERROR, "the task's verifier returned bad rewards")
-        tolerance = self.config.reward_tolerance
         for i, (completion, reward) in enumerate(zip(group.completions, rewards, strict=True)):
-            if abs(completion.claimed_reward - reward) > tolerance:
+            if not reward_matches(completion.claimed_reward, reward, self.config.reward_tolerance):
                 return Rejection(
                     Reason.FORGED_REWARD,
                     f"completion {i} claims {completion.claimed_reward:.4g}, verifier says {reward:.4g}",

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             groups = []
             for pid, prompt, group in zip(ids, prompts, samples, strict=True):
                 texts = [decode_completion(tokenizer, s.token_ids) for s in group]
-                rewards = task.score_batch([pid] * len(texts), texts)
+                rewards = task.score_batch(
+                    [pid] * len(texts), texts, completion_ids=[s.token_ids for s in group]
+                )
                 comps = [
                     Completion(token_ids=s.token_ids, logprobs=s.logprobs, claimed_reward=r)
                     for s, r in zip(group, rewards, strict=True)

@@ -15,6 +15,7 @@ from echo_p2p.report import (
     moving_mean,
     plot_reward,
     progress_line,
+    reward_axis,
     reward_curves,
     reward_reached,
     summarize,
@@ -110,6 +111,13 @@ def test_report_writes_a_png_of_the_curves(tmp_path):
 def test_plot_reward_accepts_several_curves(tmp_path):
     path = plot_reward({"a": [(0, 0.1), (1, 0.2)], "b": [(0.5, 0.3)], "empty": []}, tmp_path / "x.png", "t")
     assert path.exists() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_reward_axis_shows_rewards_of_any_scale():
+    assert reward_axis([0.1, 0.9]) == pytest.approx((-0.02, 1.02))  # the built-in tasks' [0, 1]
+    assert reward_axis([]) == pytest.approx((-0.02, 1.02))
+    lo, hi = reward_axis([-3.0, 0.5, 12.0, math.nan])  # a plug-in task's weighted sum: nothing cut off
+    assert lo < -3.0 and hi > 12.0 and math.isfinite(lo) and math.isfinite(hi)
 
 
 def test_helpers():

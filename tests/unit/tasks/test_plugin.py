@@ -36,9 +36,9 @@ def test_plugin_reward_loaded_by_name_with_extra_columns(prompts_file, spec):
     assert task.score_batch([0, 1, 2], ["4", "0", "1"]) == [1.0, 0.0, 1.0]
 
 
-def test_rewards_are_clipped_and_a_broken_function_scores_zero(prompts_file):
+def test_rewards_keep_their_scale_and_a_broken_function_scores_zero(prompts_file):
     task = build_task("plugin", {"reward": f"{MODULE}:length_penalty", "prompts": str(prompts_file)})
-    assert task.score_batch([0, 0, 0], ["", "x", "xyz"]) == [1.0, 1.0, 0.0]
+    assert task.score_batch([0, 0, 0], ["", "x", "xyz"]) == [2.0, 1.0, -1.0]  # not clipped to [0, 1]
     for name in ("broken", "wrong_length"):
         task = build_task("plugin", {"reward": f"{MODULE}:{name}", "prompts": str(prompts_file)})
         assert task.score_batch([0, 1], ["4", "8"]) == [0.0, 0.0]
@@ -60,9 +60,26 @@ def test_bad_reward_specs_are_clear_errors(spec, message):
         load_reward_function(spec)
 
 
-def test_reward_signature_is_checked_against_the_columns(prompts_file):
-    with pytest.raises(TaskError, match=r"must accept \(prompts, completions, \*\*kwargs\)"):
-        build_task("plugin", {"reward": f"{MODULE}:no_kwargs", "prompts": str(prompts_file)})
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("wants_missing_column", r"cannot be called as TRL calls a reward function.*'difficulty'"),
+        ("prompts_only", "takes neither `completions` nor `completion_ids` nor \\*\\*kwargs"),
+        ("positional_only", "cannot be called as TRL calls a reward function"),
+        ("async_reward", "is async"),
+    ],
+)
+def test_reward_signature_is_checked_against_the_columns(prompts_file, name, message):
+    with pytest.raises(TaskError, match=message):
+        build_task("plugin", {"reward": f"{MODULE}:{name}", "prompts": str(prompts_file)})
+
+
+def test_a_function_without_kwargs_gets_only_the_arguments_it_names(prompts_file):
+    # (prompts, completions) only: TRL would also pass completion_ids, trainer_state and the columns and fail
+    task = build_task("plugin", {"reward": f"{MODULE}:no_kwargs", "prompts": str(prompts_file)})
+    assert task.score_batch([0, 1], ["4", "8"], completion_ids=[[1], [2]]) == [0.0, 0.0]
+    task = build_task("plugin", {"reward": f"{MODULE}:sees_no_completion", "prompts": str(prompts_file)})
+    assert task.score_batch([0], ["4"]) == [0.0]
 
 
 def test_bad_prompt_files(tmp_path):
