@@ -14,7 +14,7 @@ Owned here: ``ColocatedConfig``, ``ColocatedTrainer`` (``run()`` / ``shutdown()`
 Must not touch the network. torch and transformers are imported only when a run starts, so ``--help``
 and config validation stay instant.
 
-Defaults learn ``count`` with the tiny preset (STACK.md): G=16 x 16 prompts, temperature 1, AdamW lr 2e-3,
+Defaults learn ``count`` with the tiny preset: G=16 x 16 prompts, temperature 1, AdamW lr 2e-3,
 7 new tokens at most. Measured on 2 threads (seed 0, 10-step means): reward 0.01 at step 0, 0.42 at 50,
 0.64 at 100, 0.94 at 200, 0.93 at 300; a median step takes 0.074 s (~0.026 s sampling, ~0.045 s training),
 so 300 steps take ~22 s on an idle machine. On 1 thread (different float reduction order): 0.42 / 0.64 /
@@ -224,7 +224,7 @@ class ColocatedTrainer:
             t0 = time.perf_counter()
             groups, timing = self.sample_groups(step)
             t1 = time.perf_counter()
-            stats = self.learner.step(groups, self.optimizer)
+            stats = self.learner.step(groups, self.optimizer, current_version=self.version)
             t2 = time.perf_counter()
             self.version += 1
             self.rollouts_consumed += len(groups)

@@ -6,8 +6,11 @@
 #      against the fp32 trainer's (mean |diff|, share of tokens outside the PPO clip), before and after a
 #      weight update;
 #   3. a swarm: an inference peer with engine: vllm on the GPU serving a local CPU trainer
-#      (tests/integration/test_vllm_peer.py).
-# Results: benchmarks/results/engines-cuda-*.json and the printed tables. Nothing leaves the machine.
+#      (tests/integration/test_vllm_peer.py);
+#   4. benchmarks/objectives.py on SmolLM2-135M: reward per update of an fp32 policy trained from its own,
+#      8-bit and 4-bit samples under the ppo and decoupled objectives (where quantised samplers put a quarter
+#      to a half of their tokens outside the clip; the tiny model's quantisation barely moves its log-probs).
+# Results: benchmarks/results/engines-cuda-*.json, objectives-cuda-smollm2.json and the printed tables. Nothing leaves the machine.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -20,6 +23,9 @@ status=0
   --out benchmarks/results/engines-cuda-tiny.json || status=1
 "$PY" benchmarks/engines.py --model smollm2 --device cuda --vllm-dtype bfloat16 --prompts 64 --group 8 \
   --out benchmarks/results/engines-cuda-smollm2.json || status=1
+"$PY" benchmarks/objectives.py --model smollm2 --device cuda --micro-batch-size 64 --samplers fp32,8bit,4bit \
+  --objectives ppo,decoupled --seeds 1 --updates 100 --lr 1e-5 --eval-every 10 \
+  --out benchmarks/results/objectives-cuda-smollm2.json || status=1
 ECHO_VLLM_PYTHON="$PY" "$PY" -m pytest -p no:cacheprovider -q -rA tests/integration/test_vllm_peer.py \
   tests/unit/ml/test_engine_vllm.py || status=1
 exit $status

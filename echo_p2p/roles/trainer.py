@@ -286,6 +286,9 @@ class TrainerPeer(BasePeer):
             "loss": round(float(stats.get("loss", 0.0)), 5),
             "clip_frac": round(float(stats.get("clip_frac", 0.0)), 4),
             "ratio_mean": round(float(stats.get("ratio_mean", 1.0)), 4),
+            # how far the samplers were from this policy, and what the decoupled objective weighed them
+            "outside_clip_frac": round(float(stats.get("behaviour_outside_clip_frac", 0.0)), 4),
+            "behaviour_weight_mean": round(float(stats.get("behaviour_weight_mean", 1.0)), 4),
             "logprob_gap_max": round(float(stats.get("logprob_gap_max", 0.0)), 4),
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "policy_drift": None if drift is None else round(drift, 4),

@@ -296,7 +296,10 @@ def grpo_loss(
     log_cap = math.log(behaviour_cap)
     if objective == "decoupled":
         prox = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.to(logprobs.dtype)
-        ratio_used = torch.exp(torch.where(maskb, logprobs - prox, zero))
+        log_ratio_prox = capped_source = torch.where(maskb, logprobs - prox, zero)
+        if ratio_cap is not None:  # a proximal policy interpolated from a lying sampler's log-probs
+            log_ratio_prox = log_ratio_prox.clamp(max=math.log(ratio_cap))
+        ratio_used = torch.exp(log_ratio_prox)
         log_weight = torch.where(maskb, prox - behaviour_logprobs.to(logprobs.dtype), zero).detach()
         if behaviour_weight == "off":
             weight = torch.ones_like(log_weight)
@@ -306,6 +309,7 @@ def grpo_loss(
             weight = torch.where(log_weight <= log_cap, torch.exp(log_weight.clamp(max=log_cap)), zero)
     else:
         # the ratio the objective sees: hard-bounded first (value and gradient stop at ratio_cap)
+        capped_source = log_ratio
         log_ratio_used = log_ratio.clamp(max=math.log(ratio_cap)) if ratio_cap is not None else log_ratio
         if tis_cap is not None:
             # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
@@ -371,8 +375,8 @@ def grpo_loss(
         if weight is not None and log_weight is not None:
             stats["behaviour_capped_frac"] = tmean((log_weight > log_cap).to(maskf.dtype))
             stats["behaviour_weight_mean"] = tmean(weight)
-        if ratio_cap is not None and weight is None:
-            stats["ratio_capped_frac"] = tmean((ratio > ratio_cap).to(maskf.dtype))
+        if ratio_cap is not None:
+            stats["ratio_capped_frac"] = tmean((capped_source > math.log(ratio_cap)).to(maskf.dtype))
         if kl is not None:
             stats["kl"] = tmean(kl)
     return loss, stats

@@ -148,6 +148,7 @@ class Learner:
         groups: Sequence[ScoredGroup],
         zero_grad: bool = True,
         gap_allowance: Sequence[float | None] | None = None,
+        current_version: int | None = None,
     ) -> dict[str, float]:
         """Accumulate the GRPO gradient of ``groups`` into the model's ``.grad`` and clip its norm.
 
@@ -162,6 +163,9 @@ class Learner:
         ``gap_allowance`` (one per group): how far the policy moved since the group was sampled
         (``train.drift``), added to ``max_logprob_gap`` for its completions; None for a group: unknown, none
         of its completions is left out.
+
+        ``current_version``: the policy version being trained (the rows' staleness is measured from it), for
+        ``proximal="previous_version"``; None: the proximal policy is this one.
         """
         cfg = self.config
         t0 = time.perf_counter()
@@ -189,6 +193,7 @@ class Learner:
                     self._probe = self._take_probe(mb, logp, keep)
                 completion_mask = self._check_behaviour(logp, mb, gaps, allowance)
                 excluded += int((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
+                proximal = self._proximal(logp, mb, current_version)
                 ref_logp = None
                 if self.ref_model is not None:
                     with torch.no_grad():
@@ -211,6 +216,7 @@ class Learner:
                     agg=cfg.loss_agg,
                     normalizer=normalizer,
                     objective=cfg.objective,
+                    proximal_logprobs=proximal,
                     behaviour_cap=cfg.behaviour_cap,
                     behaviour_weight=cfg.behaviour_weight,
                 )
@@ -251,6 +257,19 @@ class Learner:
         ]
         stats["logprob_gap_max"] = max(self.last_group_gaps, default=0.0)
         return stats
+
+    def _proximal(self, logp: torch.Tensor, mb: Batch, current_version: int | None) -> torch.Tensor | None:
+        """The proximal log-probs of ``proximal="previous_version"``: for a row sampled ``k >= 1`` versions
+        ago, ``behaviour + (k - 1) / k * (logp - behaviour)`` (detached; k = 1: the sampler's own, as PPO), for
+        an on-policy row (k = 0) ``logp`` itself. None (this policy) otherwise."""
+        cfg = self.config
+        if cfg.objective != "decoupled" or cfg.proximal != "previous_version" or current_version is None:
+            return None
+        with torch.no_grad():
+            k = (current_version - mb.policy_versions.to(logp.device)).clamp(min=0).to(logp.dtype)
+            alpha = torch.where(k >= 1, (k - 1) / k.clamp(min=1), torch.ones_like(k)).unsqueeze(1)
+            behaviour = mb.behaviour_logprobs.to(logp.dtype)
+            return behaviour + alpha * (logp.detach() - behaviour)
 
     def _check_behaviour(
         self,
@@ -315,12 +334,16 @@ class Learner:
         return change if math.isfinite(change) else None
 
     def step(
-        self, groups: Sequence[ScoredGroup], optimizer: torch.optim.Optimizer | Any, **step_kwargs: Any
+        self,
+        groups: Sequence[ScoredGroup],
+        optimizer: torch.optim.Optimizer | Any,
+        current_version: int | None = None,
+        **step_kwargs: Any,
     ) -> dict[str, float]:
         """``compute_gradients`` then ``optimizer.step(**step_kwargs)`` (e.g. ``batch_size=`` for
         ``hivemind.Optimizer``), unless the gradient is non-finite (then no step). Gradients are zeroed at the
         start of the next ``compute_gradients``."""
-        stats = self.compute_gradients(groups)
+        stats = self.compute_gradients(groups, current_version=current_version)
         if not stats["nonfinite"]:
             optimizer.step(**step_kwargs)
         return stats

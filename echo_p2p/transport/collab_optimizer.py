@@ -53,8 +53,8 @@ for a target of 16). Size ``target_batch_size`` so that an epoch's compute is se
 race through epochs solo, averaging rounds time out (``averaging_timeout`` stalls) and one of them keeps
 reloading state; with the paced settings above they average together from the first epoch.
 
-Traps (read STACK.md too)
--------------------------
+Traps
+-----
 - ``start_dht`` signs records with the peer's identity key, and the DHT keeps one RSA signature validator:
   hivemind's progress tracker must sign with that same key, so pass ``private_key=identity.private_key``;
   otherwise every progress record is rejected and the trainers never see each other.
@@ -416,7 +416,9 @@ class CollabTrainerStep:
             raise ValueError("a collaborative step needs at least one group")
         before = self.version
         t0 = time.perf_counter()
-        stats = self.learner.compute_gradients(groups, zero_grad=self._zero_grad, gap_allowance=gap_allowance)
+        stats = self.learner.compute_gradients(
+            groups, zero_grad=self._zero_grad, gap_allowance=gap_allowance, current_version=before
+        )
         t1 = time.perf_counter()
         batch_size = self.batch_size_of(groups)
         if stats.get("nonfinite"):

@@ -356,3 +356,20 @@ def test_decoupled_loss_is_bounded_whatever_the_behaviour_logprob() -> None:
         grpo_loss(
             logp, behaviour, torch.tensor([1.0]), torch.ones(1, 3), objective="decoupled", behaviour_cap=0
         )
+
+
+def test_decoupled_proximal_interpolated_from_a_lying_sampler_stays_bounded() -> None:
+    """The ``previous_version`` proximal policy is interpolated from the sampler's log-probs: a -1e30 there
+    gives a huge ratio to it, which the dual-clip cap bounds as under ``ppo``."""
+    behaviour = torch.tensor([[0.0, -1e30]])
+    for adv in (-1.0, 1.0):
+        logp = torch.tensor([[0.0, -0.7]], requires_grad=True)
+        proximal = behaviour + 0.75 * (logp.detach() - behaviour)
+        loss, stats = grpo_loss(
+            logp, behaviour, torch.tensor([adv]), torch.tensor([[0.0, 1.0]]),
+            objective="decoupled", proximal_logprobs=proximal, ratio_cap=10.0,
+        )  # fmt: skip
+        loss.backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+        assert abs(loss.item()) <= 2.0 * 10.0  # weight <= behaviour_cap, ratio <= ratio_cap
+        assert stats["ratio_capped_frac"] == 1.0

@@ -228,7 +228,8 @@ def test_a_non_finite_gradient_is_dropped_and_never_stepped(tiny_model, random_g
     """A batch whose loss is not finite leaves zero gradients, says so, and ``step`` does not move a weight."""
     model = tiny_model()
     groups = random_groups(seed=6)
-    learner = Learner(model, GRPOConfig(lr=1e-2, ratio_cap=None))
+    # the ppo objective without its cap: the one way left for a behaviour log-prob to make it non-finite
+    learner = Learner(model, GRPOConfig(lr=1e-2, ratio_cap=None, objective="ppo"))
     # a stranger's behaviour log-prob that no sampler can produce; uncapped, the loss goes inf/NaN
     groups[0].group.completions[0].logprobs[0] = -1e30
     before = [p.detach().clone() for p in model.parameters()]
@@ -241,3 +242,47 @@ def test_a_non_finite_gradient_is_dropped_and_never_stepped(tiny_model, random_g
     stats = Learner(model, GRPOConfig(lr=1e-2)).step(groups, opt)
     assert stats["nonfinite"] == 0.0 and math.isfinite(stats["loss"])
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_previous_version_proximal_is_ppo_one_version_stale_and_interpolates_beyond(
+    tiny_model, random_groups
+) -> None:
+    """``proximal="previous_version"``: a group 1 version stale is trained exactly as under ``ppo`` (the
+    proximal policy is its sampler's); a group k versions stale is clipped against the interpolation
+    ``behaviour + (k-1)/k (logp - behaviour)``, i.e. its ratio per version."""
+    model = tiny_model()
+    groups = random_groups(num_groups=3, group_size=3, seed=4)  # sampled at version 0
+    prev = dict(objective="decoupled", proximal="previous_version", max_grad_norm=None, ratio_cap=None)
+    ppo = Learner(model, GRPOConfig(objective="ppo", max_grad_norm=None, ratio_cap=None)).compute_gradients(
+        groups
+    )
+    g_ppo = _grads(model)
+    one_stale = Learner(model, GRPOConfig(**prev)).compute_gradients(groups, current_version=1)
+    assert one_stale["loss"] == pytest.approx(ppo["loss"], abs=1e-6)
+    _assert_same_grads(_grads(model), g_ppo)
+    # without a current version (or on-policy) the proximal policy is this one: decoupled's default
+    current = Learner(
+        model, GRPOConfig(objective="decoupled", proximal="current", max_grad_norm=None)
+    ).compute_gradients(groups)
+    g_current = _grads(model)
+    for version in (None, 0):
+        stats = Learner(model, GRPOConfig(**prev)).compute_gradients(groups, current_version=version)
+        assert stats["loss"] == pytest.approx(current["loss"], abs=1e-6)
+        _assert_same_grads(_grads(model), g_current)
+    # 4 versions stale: by hand, from the learner's own log-probs
+    learner = Learner(model, GRPOConfig(**prev, micro_batch_size=None))
+    stats = learner.compute_gradients(groups, current_version=4)
+    from echo_p2p.train.grpo import grpo_loss, token_logprobs
+
+    batch = learner.build_batch(groups)
+    with torch.no_grad():
+        logp = token_logprobs(
+            model(batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids
+        )
+    behaviour = batch.behaviour_logprobs
+    expected, _ = grpo_loss(
+        logp, behaviour, batch.advantages, batch.completion_mask,
+        objective="decoupled", proximal_logprobs=behaviour + 0.75 * (logp - behaviour),
+    )  # fmt: skip
+    assert stats["loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert stats["loss"] != pytest.approx(current["loss"], abs=1e-4)

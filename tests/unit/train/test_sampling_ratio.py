@@ -49,9 +49,9 @@ def test_on_policy_ratio_is_one_under_top_p_and_top_k(policy, settings):
     stats = Learner(model, config).compute_gradients(groups)
     model.zero_grad(set_to_none=True)
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=0.01), stats
-    assert stats["clip_frac"] == 0.0, stats
+    assert stats["clip_frac"] == 0.0 and stats["behaviour_outside_clip_frac"] == 0.0, stats
     # the trainer's full softmax against the same rollouts: what happened before settings travelled
     unfiltered = config.model_copy(update={"top_k": 0, "top_p": 1.0})
     stats = Learner(model, unfiltered).compute_gradients(groups)
     model.zero_grad(set_to_none=True)
-    assert abs(stats["ratio_mean"] - 1.0) > 0.05 and stats["clip_frac"] > 0.05, stats
+    assert abs(stats["ratio_mean"] - 1.0) > 0.05 and stats["behaviour_outside_clip_frac"] > 0.05, stats
