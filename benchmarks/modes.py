@@ -5,6 +5,10 @@ Each arm runs the real entry point as a subprocess, one arm after another, for `
 * ``colocated`` / ``colocated-2t``: ``python -m echo_p2p.colocated --duration S --threads 1|2`` (sampling and
   training take turns in one process; per-step JSONL ``colocated-*.jsonl``); 1 thread is one process per
   core like each decoupled peer, 2 threads is the whole machine;
+* ``standalone``: ``python -m echo_p2p.colocated --standalone 8 --threads 1``: a trainer with no network and
+  no sampling, training round after round on 8 steps' worth of groups sampled before the clock starts: the
+  ceiling of what a decoupled trainer can consume (its reward means nothing). The decoupled arms are shown
+  against it (rollouts/s, and seconds per update: the swarm's tax on the trainer);
 * ``sync`` / ``async``: ``python -m echo_p2p.local --mode sync|async --duration S --inference N`` (a
   bootstrap, 1 trainer, N inference peers on 127.0.0.1, one torch thread each, inference peers niced;
   trainer metrics ``trainer-*.jsonl`` per step, inference metrics ``inference-*.jsonl`` every ~10 s).
@@ -30,8 +34,8 @@ Every arm gets the same task (``--task``, ``--task-option``), model (tiny), G an
 Times on the reward curve count from the launch of the arm's command, so they include start-up. The
 ``first step`` column shows how long each arm took to start training.
 
-Run: ``python benchmarks/modes.py [--budget 60] [--arms colocated,colocated-2t,sync,async] [--inference 1]
-[--prompts-per-step 16] [--out PATH]`` (about 4.5 min with the defaults). Writes JSON to ``--out`` and a
+Run: ``python benchmarks/modes.py [--budget 60] [--arms colocated,colocated-2t,standalone,sync,async] [--inference 1]
+[--prompts-per-step 16] [--out PATH]`` (about 5.5 min with the defaults). Writes JSON to ``--out`` and a
 reward-vs-time PNG next to it.
 """
 
@@ -54,7 +58,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ARMS = ("colocated", "colocated-2t", "sync", "async")
+ARMS = ("colocated", "colocated-2t", "standalone", "sync", "async")
+#: arms whose metrics are the co-located process's (``colocated-*.jsonl``, one version per step)
+IN_PROCESS = ("colocated", "colocated-2t", "standalone")
+#: steps' worth of groups the standalone trainer samples once and trains on round after round
+STANDALONE_POOL = 8
 WINDOW = 10  # steps in a reward mean
 TRAINERS = 1
 INFERENCE_PEERS = 1  # on 2 cores: one for the trainer, one for the inference peer
@@ -66,7 +74,7 @@ def run_arm(
     """Run one arm's command; returns (launch time, seconds it ran, exit code, metrics dir)."""
     metrics_dir = workdir / "metrics"
     options = [arg for option in setup["task_options"] for arg in ("--task-option", option)]
-    if arm.startswith("colocated"):
+    if arm in IN_PROCESS:
         threads = "2" if arm == "colocated-2t" else "1"
         cmd = [
             sys.executable,
@@ -76,6 +84,8 @@ def run_arm(
             *("--threads", threads, "--steps", "100000", *options),
             *("--prompts-per-step", str(setup["prompts_per_step"])),
         ]
+        if arm == "standalone":
+            cmd += ["--standalone", str(STANDALONE_POOL), "--name", "standalone"]
     else:
         cmd = [
             sys.executable,
@@ -125,7 +135,7 @@ def steps_of(arm: str, metrics_dir: Path) -> list[dict[str, Any]]:
     """Per-step lines of the arm's trainers (or co-located process), oldest first."""
     from echo_p2p.report import step_lines
 
-    runs = step_lines(metrics_dir, "colocated" if arm.startswith("colocated") else "trainer")
+    runs = step_lines(metrics_dir, "colocated" if arm in IN_PROCESS else "trainer")
     return sorted((x for lines in runs.values() for x in lines), key=lambda x: (x["time"], x["step"]))
 
 
@@ -165,7 +175,7 @@ def inference_figures(metrics_dir: Path) -> dict[str, Any]:
 def summarize(arm: str, launched: float, seconds: float, code: int, metrics_dir: Path) -> dict[str, Any]:
     steps = steps_of(arm, metrics_dir)
     out: dict[str, Any] = {"arm": arm, "exit_code": code, "seconds": round(seconds, 2), "steps": len(steps)}
-    if arm.startswith("colocated"):
+    if arm in IN_PROCESS:
         for x in steps:
             x["version"] = x["step"] + 1  # one version per step
     curve = [[round(x["time"] - launched, 3), x["step"], x["version"], x["reward_mean"]] for x in steps]
@@ -182,8 +192,12 @@ def summarize(arm: str, launched: float, seconds: float, code: int, metrics_dir:
         (last["rollouts_consumed"] - first["rollouts_consumed"]) / span if span > 0 else None
     )
     out["versions_per_min"] = 60 * (last["version"] - first["version"]) / span if span > 0 else None
-    out["reward_end"] = mean([x["reward_mean"] for x in steps[-WINDOW:]])
-    if arm.startswith("colocated"):
+    # the standalone trainer relearns the same groups: its reward says nothing about learning
+    out["reward_end"] = mean([x["reward_mean"] for x in steps[-WINDOW:]]) if arm != "standalone" else None
+    if arm == "standalone":
+        out["trainer_idle_fraction"] = 0.0
+        out["median_update_s"] = statistics.median(x["training_s"] for x in steps)
+    elif arm.startswith("colocated"):
         sampling = sum(x["sampling_s"] + x["scoring_s"] for x in steps)
         training = sum(x["training_s"] for x in steps)
         busy = sampling + training
@@ -248,6 +262,14 @@ def print_table(results: dict[str, Any]) -> None:
             )
         if r.get("median_update_s"):
             print(f"{r['arm']}: median trainer update {r['median_update_s']:.3f} s")
+    ceiling = next((r for r in results["arms"] if r["arm"] == "standalone"), None)
+    for r in results["arms"]:
+        if ceiling and r["arm"] in ("sync", "async") and r.get("vs_standalone") is not None:
+            print(
+                f"{r['arm']} vs the standalone trainer (the decoupling ceiling): rollouts/s "
+                f"{r['vs_standalone']:.2f}x, seconds per update {fmt(r.get('update_vs_standalone'), '.2f')}x "
+                "(swarm tax)"
+            )
     print(
         "\nrollouts/s and versions/min: between the first and the last step. trainer idle: co-located = "
         "sampling+scoring share of step time; decoupled = seconds the trainer waited for rollouts between its first "
@@ -323,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
             or TrainerSection.model_fields["prompts_per_step"].default,
             "trainers": TRAINERS,
             "inference_peers": args.inference,
-            "colocated_threads": {"colocated": 1, "colocated-2t": 2},
+            "colocated_threads": {"colocated": 1, "colocated-2t": 2, "standalone": 1},
         },
         "arms": [],
     }
@@ -347,6 +369,16 @@ def main(argv: list[str] | None = None) -> None:
     for r in results["arms"]:
         rewards = [c[3] for c in r.get("curve", [])]
         r["reward_equal_updates"] = mean(rewards[max(0, n - WINDOW) : n]) if n else None
+    ceiling = next((r for r in results["arms"] if r["arm"] == "standalone"), None)
+    if ceiling and ceiling.get("rollouts_per_s"):
+        for r in results["arms"]:
+            if r.get("rollouts_per_s") is not None:
+                r["vs_standalone"] = r["rollouts_per_s"] / ceiling["rollouts_per_s"]
+            if r.get("median_update_s") and ceiling.get("median_update_s"):
+                r["update_vs_standalone"] = r["median_update_s"] / ceiling["median_update_s"]
+    for r in results["arms"]:
+        if r["arm"] == "standalone":
+            r["reward_equal_updates"] = None
     reference = next((r for r in results["arms"] if r["arm"] == "colocated"), None)
     if reference and reference.get("rollouts_per_s"):
         for r in results["arms"]:

@@ -10,7 +10,10 @@ std, rollouts consumed) go to ``<metrics_dir>/colocated-<name>.jsonl`` in the fo
 ``echo_p2p.metrics``, so a benchmark can put the baseline's curve and idle fractions next to the swarm's.
 
 Owned here: ``ColocatedConfig``, ``ColocatedTrainer`` (``run()`` / ``shutdown()``) and the CLI
-``python -m echo_p2p.colocated --task count --steps 300 [--metrics-dir DIR] [--duration S]``.
+``python -m echo_p2p.colocated --task count --steps 300 [--metrics-dir DIR] [--duration S]``. With
+``--standalone STEPS`` it is the *standalone trainer* instead: it samples STEPS steps' worth of groups once,
+before the clock starts, and then only trains on them, round after round: the ceiling of what a decoupled
+trainer can consume at these settings, with no network and no sampling (``benchmarks/modes.py``).
 Must not touch the network. torch and transformers are imported only when a run starts, so ``--help``
 and config validation stay instant.
 
@@ -86,6 +89,14 @@ class ColocatedConfig(BaseModel):
     )
     name: str = Field(default="baseline", description="Names the metrics file (the 'peer id' field).")
     log_every: int = Field(default=25, ge=1, description="Log a status line every this many steps.")
+    standalone_pool: int | None = Field(
+        default=None,
+        ge=1,
+        description="Standalone trainer: sample this many steps' worth of groups once, before the clock starts, "
+        "and train on them round after round with no sampling in the loop: the most rollouts per second a "
+        "decoupled trainer can consume at these settings (its reward curve means nothing: it relearns the "
+        "same groups). None: sample every step (co-located).",
+    )
 
     @field_validator("grpo", mode="before")
     @classmethod
@@ -205,7 +216,6 @@ class ColocatedTrainer:
 
     def run(self) -> list[dict[str, Any]]:
         cfg = self.config
-        start = time.perf_counter()
         logger.info(
             "colocated run %r: task %s, G=%d x %d prompts, lr %g, %s",
             cfg.name,
@@ -215,6 +225,10 @@ class ColocatedTrainer:
             self.learner.config.lr,
             f"{cfg.steps} steps" if cfg.steps else f"{cfg.duration:.0f} s",
         )
+        pool: list[Any] = []
+        for index in range(cfg.standalone_pool or 0):  # before the clock: sampling is not what is measured
+            pool.append(self.sample_groups(-1 - index)[0])
+        start = time.perf_counter()
         step = 0
         while not self.stop_event.is_set():
             if cfg.steps is not None and step >= cfg.steps:
@@ -222,7 +236,11 @@ class ColocatedTrainer:
             if cfg.duration is not None and time.perf_counter() - start >= cfg.duration:
                 break
             t0 = time.perf_counter()
-            groups, timing = self.sample_groups(step)
+            if pool:
+                groups = pool[step % len(pool)]
+                timing = {"sampling_s": 0.0, "scoring_s": 0.0, "tokens_sampled": 0.0}
+            else:
+                groups, timing = self.sample_groups(step)
             t1 = time.perf_counter()
             stats = self.learner.step(groups, self.optimizer, current_version=self.version)
             t2 = time.perf_counter()
@@ -309,6 +327,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument(
+        "--standalone",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="standalone trainer: sample STEPS steps' worth of groups once, then only train on them (the "
+        "ceiling of a decoupled trainer's consumption)",
+    )
     return p.parse_args(argv)
 
 
@@ -328,6 +354,7 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
         metrics_dir=args.metrics_dir,
         name=args.name,
         log_every=args.log_every,
+        standalone_pool=args.standalone,
     )
 
 

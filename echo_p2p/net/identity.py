@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 
 import base58
@@ -29,6 +30,9 @@ class Identity:
     private_key: object  # hivemind.utils.crypto.RSAPrivateKey
     ephemeral: bool = False
     _tmpdir: str | None = field(default=None, repr=False)
+    #: removes the temporary folder when the identity is garbage-collected or the interpreter exits, for
+    #: the holders that never call ``cleanup`` (a process signing records without a DHT)
+    _finalizer: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
     @property
     def peer_id(self) -> str:
@@ -50,9 +54,11 @@ class Identity:
 
     def cleanup(self) -> None:
         """Remove an ephemeral identity's temporary folder (persistent identities are kept)."""
-        if self._tmpdir is not None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs once: rmtree of the temporary folder
+        elif self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        self._tmpdir = None
 
 
 def load_or_create_identity(path: str | None) -> Identity:
@@ -63,7 +69,9 @@ def load_or_create_identity(path: str | None) -> Identity:
         tmpdir = tempfile.mkdtemp(prefix="echo-id-")
         tmp_path = os.path.join(tmpdir, "identity.key")
         P2P.generate_identity(tmp_path)
-        return Identity(tmp_path, _read_private_key(tmp_path), ephemeral=True, _tmpdir=tmpdir)
+        identity = Identity(tmp_path, _read_private_key(tmp_path), ephemeral=True, _tmpdir=tmpdir)
+        identity._finalizer = weakref.finalize(identity, shutil.rmtree, tmpdir, True)
+        return identity
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(path):
         parent = os.path.dirname(path)

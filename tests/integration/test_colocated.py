@@ -86,3 +86,24 @@ def test_config_guards() -> None:
         ColocatedConfig(steps=None, duration=None)
     with pytest.raises(ValueError):
         ColocatedConfig(grpo={"no_such_knob": 1})
+
+
+def test_standalone_trainer_trains_on_a_pool_sampled_before_the_clock(tmp_path: Path) -> None:
+    """``--standalone N``: N steps' worth of groups sampled once, then only training, round after round (the
+    ceiling arm of benchmarks/modes.py): no sampling time in any step, and the pool's groups come back."""
+    from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
+
+    trainer = ColocatedTrainer(
+        ColocatedConfig(group_size=4, prompts_per_step=2, steps=5, standalone_pool=2, threads=1, seed=3)
+    )
+    sampled = []
+    real_sample = trainer.sample_groups
+    trainer.sample_groups = lambda step, **kw: sampled.append(step) or real_sample(step, **kw)
+    trained = []
+    real_step = trainer.learner.step
+    trainer.learner.step = lambda groups, opt, **kw: trained.append(groups) or real_step(groups, opt, **kw)
+    records = trainer.run()
+    assert sampled == [-1, -2]  # the whole pool, before the first step; never again
+    assert len(records) == 5 and all(r["sampling_s"] == 0 and r["training_s"] > 0 for r in records)
+    assert [id(g) for g in trained] == [id(trained[0]), id(trained[1])] * 2 + [id(trained[0])]
+    assert trained[0] is not trained[1] and records[-1]["rollouts_consumed"] == 10

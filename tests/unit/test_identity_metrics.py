@@ -22,6 +22,18 @@ def test_hivemind_derives_the_same_peer_id_from_the_file(tmp_path):
     assert PeerID.from_identity((tmp_path / "id.key").read_bytes()).to_base58() == ident.peer_id
 
 
+def test_ephemeral_identity_is_removed_when_dropped_without_cleanup():
+    """A holder that only signs records (no DHT, no cleanup call) leaves no private key behind."""
+    import gc
+
+    ident = load_or_create_identity(None)
+    folder = os.path.dirname(ident.path)
+    assert os.path.exists(ident.path)
+    del ident
+    gc.collect()
+    assert not os.path.exists(folder)
+
+
 def test_ephemeral_identity_is_removed_on_cleanup():
     ident = load_or_create_identity(None)
     assert ident.ephemeral and os.path.exists(ident.path)

@@ -173,3 +173,19 @@ async def test_one_request_at_a_time_per_requester_and_a_bounded_number_in_all(c
     assert groups_of(await asyncio.wait_for(waiting, 10)) == [1, 2]
     assert groups_of(await asyncio.wait_for(ask(s, A), 10)) == [1, 2]  # its turn again once done
     assert s.stats()["rejected"] == {"busy": 2}
+
+
+async def test_a_version_announced_just_before_it_is_asked_for_is_served_without_waiting_a_poll(cleanup):
+    """Sync mode: a trainer publishes version v, then asks for it; the request's first look reads the
+    records at once instead of waiting out the shared read's poll period (30 s here), and a request for a
+    version already seen announced reads nothing."""
+    engine = Engine(announced={HELD}, fetchable={HELD, HELD + 1})
+    s = servicer(engine, version_poll=30.0)
+    cleanup(s)
+    assert groups_of(await asyncio.wait_for(ask(s, A), 10)) == [1, 2]
+    assert engine.reads == 1
+    engine.announced.add(HELD + 1)  # published an instant before the request
+    assert groups_of(await asyncio.wait_for(ask(s, A, version=HELD + 1), 10)) == [1, 2]
+    assert engine.reads == 2 and engine.fetched == [HELD, HELD + 1]
+    assert groups_of(await asyncio.wait_for(ask(s, B, version=HELD), 10)) == [1, 2]
+    assert engine.reads == 2  # version 3 is known to be announced: no read
