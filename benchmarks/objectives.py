@@ -165,7 +165,13 @@ class Arm:
         t = self.trainer
         start = time.perf_counter()
         curve: list[tuple[int, float]] = [(0, self.evaluate(0))]
-        keys = ("behaviour_outside_clip_frac", "clip_frac", "behaviour_weight_mean", "ratio_mean")
+        # each stat with its value when the objective does not report it (no weight under ppo: 1)
+        keys = {
+            "behaviour_outside_clip_frac": 0.0,
+            "clip_frac": 0.0,
+            "behaviour_weight_mean": 1.0,
+            "ratio_mean": 1.0,
+        }
         sums: dict[str, float] = collections.defaultdict(float)
         train_rewards: list[float] = []
         for update in range(self.args.updates):
@@ -173,8 +179,8 @@ class Arm:
             stats = t.learner.step(groups, t.optimizer, current_version=t.version)
             t.version += 1
             train_rewards.append(stats["reward_mean"])
-            for key in keys:
-                sums[key] += stats.get(key, 1.0 if key in ("behaviour_weight_mean", "ratio_mean") else 0.0)
+            for key, default in keys.items():
+                sums[key] += stats.get(key, default)
             gaps = t.learner.last_group_gaps
             sums["logprob_gap"] += statistics.fmean(gaps) if gaps else 0.0
             if (update + 1) % self.args.eval_every == 0 or update + 1 == self.args.updates:

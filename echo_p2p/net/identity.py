@@ -30,9 +30,14 @@ class Identity:
     private_key: object  # hivemind.utils.crypto.RSAPrivateKey
     ephemeral: bool = False
     _tmpdir: str | None = field(default=None, repr=False)
-    #: removes the temporary folder when the identity is garbage-collected or the interpreter exits, for
-    #: the holders that never call ``cleanup`` (a process signing records without a DHT)
-    _finalizer: weakref.finalize | None = field(default=None, repr=False, compare=False)
+    _finalizer: weakref.finalize | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the temporary folder goes when ``cleanup`` is called, or else when the identity is garbage-collected
+        # or the interpreter exits (holders that sign records without a DHT never call ``cleanup``)
+        self._finalizer = (
+            weakref.finalize(self, shutil.rmtree, self._tmpdir, True) if self._tmpdir is not None else None
+        )
 
     @property
     def peer_id(self) -> str:
@@ -56,9 +61,6 @@ class Identity:
         """Remove an ephemeral identity's temporary folder (persistent identities are kept)."""
         if self._finalizer is not None:
             self._finalizer()  # runs once: rmtree of the temporary folder
-        elif self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._tmpdir = None
 
 
 def load_or_create_identity(path: str | None) -> Identity:
@@ -69,9 +71,7 @@ def load_or_create_identity(path: str | None) -> Identity:
         tmpdir = tempfile.mkdtemp(prefix="echo-id-")
         tmp_path = os.path.join(tmpdir, "identity.key")
         P2P.generate_identity(tmp_path)
-        identity = Identity(tmp_path, _read_private_key(tmp_path), ephemeral=True, _tmpdir=tmpdir)
-        identity._finalizer = weakref.finalize(identity, shutil.rmtree, tmpdir, True)
-        return identity
+        return Identity(tmp_path, _read_private_key(tmp_path), ephemeral=True, _tmpdir=tmpdir)
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(path):
         parent = os.path.dirname(path)

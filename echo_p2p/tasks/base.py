@@ -73,11 +73,20 @@ class Task(ABC):
         text, for a verifier that scores tokens (a TRL reward function's ``completion_ids``); the built-in
         tasks ignore them. The inference peer (claimed reward) and the trainer (re-score) both pass them.
         """
+        self.check_batch(prompt_ids, completion_texts, completion_ids)
+        return [self.score(p, c) for p, c in zip(prompt_ids, completion_texts, strict=True)]
+
+    @staticmethod
+    def check_batch(
+        prompt_ids: Sequence[int],
+        completion_texts: Sequence[str],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """``TaskError`` unless ``score_batch``'s arguments hold one entry per completion."""
         if len(prompt_ids) != len(completion_texts):
             raise TaskError(f"{len(prompt_ids)} prompt ids for {len(completion_texts)} completions")
         if completion_ids is not None and len(completion_ids) != len(completion_texts):
             raise TaskError(f"{len(completion_ids)} token id lists for {len(completion_texts)} completions")
-        return [self.score(p, c) for p, c in zip(prompt_ids, completion_texts, strict=True)]
 
     def check_prompt_id(self, prompt_id: int) -> int:
         """``prompt_id`` if it is valid for this task, else ``TaskError`` (ids arrive from other peers)."""

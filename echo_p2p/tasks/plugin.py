@@ -19,7 +19,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from echo_p2p.rollout import MAX_ABS_REWARD
-from echo_p2p.tasks.base import Task, TaskError, TaskOptions
+from echo_p2p.tasks.base import Task, TaskOptions
 from echo_p2p.tasks.plugin_loader import PluginError, RewardFunction, load_prompt_rows, load_reward_function
 from echo_p2p.tasks.plugin_rewards import DROPPED_COLUMNS, PASSED_ARGUMENTS, RewardSum, reward_term
 
@@ -115,10 +115,7 @@ class PluginTask(Task):
         completion_texts: Sequence[str],
         completion_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[float]:
-        if len(prompt_ids) != len(completion_texts):
-            raise TaskError(f"{len(prompt_ids)} prompt ids for {len(completion_texts)} completions")
-        if completion_ids is not None and len(completion_ids) != len(completion_texts):
-            raise TaskError(f"{len(completion_ids)} token id lists for {len(completion_texts)} completions")
+        self.check_batch(prompt_ids, completion_texts, completion_ids)
         if not prompt_ids:
             return []
         rows = [self.rows[self.check_prompt_id(p)] for p in prompt_ids]

@@ -82,13 +82,12 @@ def reward_term(spec: str, fn: RewardFunction, weight: float, columns: Sequence[
     ):  # builtins without a signature: pass everything, errors surface when called
         return RewardTerm(spec, fn, float(weight), None)
     params = list(sig.parameters.values())
+    names = {*PASSED_ARGUMENTS, *columns}
     if any(p.kind is p.VAR_KEYWORD for p in params):
         takes = None
-        names = {*PASSED_ARGUMENTS, *columns}
     else:
-        available = {*PASSED_ARGUMENTS, *columns}
         keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        names = {p.name for p in params if p.kind in keyword_kinds and p.name in available}
+        names = {p.name for p in params if p.kind in keyword_kinds and p.name in names}
         takes = frozenset(names)
         if not names & {"completions", "completion_ids"}:
             raise PluginError(

@@ -48,13 +48,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-LossAggregation = Literal["token_mean", "seq_mean"]
-Objective = Literal["ppo", "decoupled"]
-BehaviourWeight = Literal["truncate", "mask", "off"]
+from echo_p2p.train.config import BehaviourWeight, LossAggregation, Objective
 
 
 def group_advantages(rewards: Sequence[float], scale_rewards: bool = True, eps: float = 1e-6) -> list[float]:
@@ -293,31 +291,32 @@ def grpo_loss(
     # Masked positions get log-ratio 0 (ratio 1) so that garbage there can never make inf/NaN.
     log_ratio = torch.where(maskb, logprobs - behaviour_logprobs.to(logprobs.dtype), zero)
     ratio = torch.exp(log_ratio.clamp(max=_STATS_LOG_RATIO_MAX))  # for the stats only: finite
-    log_cap = math.log(behaviour_cap)
+    weight = log_weight = None
     if objective == "decoupled":
+        # the trust region against the proximal policy, the sampler's mismatch as a detached weight
         prox = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.to(logprobs.dtype)
-        log_ratio_prox = capped_source = torch.where(maskb, logprobs - prox, zero)
-        if ratio_cap is not None:  # a proximal policy interpolated from a lying sampler's log-probs
-            log_ratio_prox = log_ratio_prox.clamp(max=math.log(ratio_cap))
-        ratio_used = torch.exp(log_ratio_prox)
+        log_ratio_objective = torch.where(maskb, logprobs - prox, zero)
         log_weight = torch.where(maskb, prox - behaviour_logprobs.to(logprobs.dtype), zero).detach()
+        truncated = torch.exp(log_weight.clamp(max=math.log(behaviour_cap)))
         if behaviour_weight == "off":
             weight = torch.ones_like(log_weight)
         elif behaviour_weight == "truncate":
-            weight = torch.exp(log_weight.clamp(max=log_cap))
+            weight = truncated
         else:  # "mask": AReaL's choice, a token above the cap is left out
-            weight = torch.where(log_weight <= log_cap, torch.exp(log_weight.clamp(max=log_cap)), zero)
+            weight = torch.where(log_weight <= math.log(behaviour_cap), truncated, zero)
     else:
-        # the ratio the objective sees: hard-bounded first (value and gradient stop at ratio_cap)
-        capped_source = log_ratio
-        log_ratio_used = log_ratio.clamp(max=math.log(ratio_cap)) if ratio_cap is not None else log_ratio
-        if tis_cap is not None:
-            # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
-            excess = (log_ratio_used - math.log(tis_cap)).clamp(min=0.0).detach()
-            ratio_used = torch.exp(log_ratio_used - excess)
-        else:
-            ratio_used = torch.exp(log_ratio_used)
-        weight = log_weight = None
+        log_ratio_objective = log_ratio
+    # the ratio the objective sees: hard-bounded first (value and gradient stop at ratio_cap), under
+    # "decoupled" too, whose proximal policy may be interpolated from a lying sampler's log-probs
+    log_ratio_used = (
+        log_ratio_objective.clamp(max=math.log(ratio_cap)) if ratio_cap is not None else log_ratio_objective
+    )
+    if tis_cap is not None and objective == "ppo":
+        # value min(r, cap), gradient min(r, cap) * grad(logp): a detached truncation factor
+        excess = (log_ratio_used - math.log(tis_cap)).clamp(min=0.0).detach()
+        ratio_used = torch.exp(log_ratio_used - excess)
+    else:
+        ratio_used = torch.exp(log_ratio_used)
     clipped = ratio_used.clamp(1.0 - clip_low, 1.0 + clip_high)
     obj = torch.minimum(ratio_used * advantages, clipped * advantages)
     if weight is not None:
@@ -373,10 +372,10 @@ def grpo_loss(
         if tis_cap is not None:
             stats["tis_capped_frac"] = tmean((ratio > tis_cap).to(maskf.dtype))
         if weight is not None and log_weight is not None:
-            stats["behaviour_capped_frac"] = tmean((log_weight > log_cap).to(maskf.dtype))
+            stats["behaviour_capped_frac"] = tmean((log_weight > math.log(behaviour_cap)).to(maskf.dtype))
             stats["behaviour_weight_mean"] = tmean(weight)
         if ratio_cap is not None:
-            stats["ratio_capped_frac"] = tmean((capped_source > math.log(ratio_cap)).to(maskf.dtype))
+            stats["ratio_capped_frac"] = tmean((log_ratio_objective > math.log(ratio_cap)).to(maskf.dtype))
         if kl is not None:
             stats["kl"] = tmean(kl)
     return loss, stats

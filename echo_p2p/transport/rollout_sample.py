@@ -17,6 +17,7 @@ blocking calls run in worker threads, never in the event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -200,14 +201,12 @@ class SampleServicer(LingeringServicer):
         (≤ ``version_timeout``) in a version thread. None when held, else the refusal."""
         if self.published_version is not None:
             deadline = time.monotonic() + self.config.version_grace
-            looks = 0
-            while True:
-                # the first two looks (an instant apart) read the records unless the shared read is very
-                # fresh: in sync mode a trainer asks for the version it published an instant ago, and
-                # waiting out the poll period cost every step up to version_poll (0.5 s) of idle trainer
-                eager = looks < 2
-                newest = await self._newest_published(deadline, version if eager else None)
-                looks += 1
+            for look in itertools.count():
+                # the first two looks (an instant apart) take only a very fresh shared read: in sync mode a
+                # trainer asks for the version it published an instant ago, and waiting out the poll period
+                # cost every step up to version_poll (0.5 s) of idle trainer
+                period = min(_FRESH_READ, self.config.version_poll) if look < 2 else self.config.version_poll
+                newest = await self._newest_published(deadline, version, period)
                 if newest is not None and version <= newest:
                     break
                 left = deadline - time.monotonic()
@@ -216,7 +215,7 @@ class SampleServicer(LingeringServicer):
                         SampleError.UNKNOWN_VERSION,
                         f"no trusted trainer announces version {version} (newest: {newest})",
                     )
-                await asyncio.sleep(min(_FRESH_READ if looks < 2 else self.config.version_poll, left))
+                await asyncio.sleep(min(period, left))
         loop = asyncio.get_running_loop()
         try:
             held = await asyncio.wait_for(
@@ -232,32 +231,27 @@ class SampleServicer(LingeringServicer):
             return SampleError.UNKNOWN_VERSION, f"no trusted trainer published version {version}"
         return None
 
-    async def _newest_published(self, deadline: float, wanted: int | None = None) -> int | None:
-        """``published_version()``, read at most once per ``version_poll`` whatever the number of waiting
-        requests (one read at a time, in a version thread); the last value read when this read fails or
-        the deadline passes. ``wanted``: a request's first look for that version, which reads at once when
-        the last read is older than ``_FRESH_READ`` s and did not show it (bounded by the requests: one at a
-        time per trusted requester)."""
+    async def _newest_published(self, deadline: float, wanted: int, max_age: float) -> int | None:
+        """``published_version()``, shared by every waiting request (one read at a time, in a version
+        thread): the last read is reused while it shows ``wanted`` or is under ``max_age`` s old (the poll
+        period, or ``_FRESH_READ`` for a request's first looks, bounded by the requests: one at a time per
+        trusted requester); the last value read when this read fails or the deadline passes."""
         if self._published_lock is None:
             self._published_lock = asyncio.Lock()
         try:
-            return await asyncio.wait_for(self._read_published(wanted), max(0.0, deadline - time.monotonic()))
+            return await asyncio.wait_for(
+                self._read_published(wanted, max_age), max(0.0, deadline - time.monotonic())
+            )
         except TimeoutError:
             return self._published[1]
         except Exception as exc:
             logger.warning("reading the published versions failed: %s", exc)
             return self._published[1]
 
-    async def _read_published(self, wanted: int | None = None) -> int | None:
+    async def _read_published(self, wanted: int, max_age: float) -> int | None:
         async with self._published_lock:
             read_at, newest = self._published
-            age = time.monotonic() - read_at
-            if wanted is not None and newest is not None and wanted <= newest:
-                return newest  # already known to be announced: nothing to read
-            period = (
-                self.config.version_poll if wanted is None else min(_FRESH_READ, self.config.version_poll)
-            )
-            if age < period:
+            if (newest is not None and wanted <= newest) or time.monotonic() - read_at < max_age:
                 return newest
             loop = asyncio.get_running_loop()
             newest = await loop.run_in_executor(self._version_worker, self.published_version)

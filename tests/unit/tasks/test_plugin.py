@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
@@ -11,18 +10,6 @@ from echo_p2p.tasks.plugin import PluginError, load_reward_function
 
 HERE = Path(__file__).resolve().parent
 MODULE = "tests.unit.tasks.reward_plugin"
-
-
-@pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [
-        {"prompt": "2+2=", "answer": 4},
-        {"prompt": "3+5=", "answer": 8, "source": "x"},
-        {"prompt": "1+0=", "answer": 1},
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    return path
 
 
 @pytest.mark.parametrize("spec", [f"{MODULE}:exact_answer", f"{HERE / 'reward_plugin.py'}:exact_answer"])

@@ -26,18 +26,6 @@ G = 4
 VERSION = 3
 
 
-@pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [
-        {"prompt": "2+2=", "answer": 4},
-        {"prompt": "3+5=", "answer": 8, "source": "x"},
-        {"prompt": "1+0=", "answer": 1},
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def plugin(prompts_file, reward, weights=None):
     options = {"reward": reward, "prompts": str(prompts_file)}
     if weights is not None:
