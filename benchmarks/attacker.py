@@ -49,7 +49,7 @@ RUN_SAMPLING = _run_sampling()
 
 
 def trainers(directory) -> list:
-    return [e.record for e in directory.peers() if e.record.role == "trainer" and e.record.state == "running"]
+    return [e.record for e in directory.trainers() if e.record.state == "running"]
 
 
 def poison_groups(
@@ -236,7 +236,9 @@ class Attacker:
             ghost.cleanup()
         directory = type(self.directory)(self.dht, self.keys, ghost, request_timeout=5)
         for ttl in (1e6, MAX_RECORD_TTL):
-            stored = directory._store(self.keys.peers, PeerRecord(peer_id=ghost.peer_id, role="trainer"), ttl)
+            stored = directory._store(
+                self.keys.trainers, PeerRecord(peer_id=ghost.peer_id, role="trainer"), ttl
+            )
             self.seen[f"stored_ttl_{int(ttl)}" if stored else f"refused_ttl_{int(ttl)}"] += 1
         ghost.cleanup()
         return dict(self.seen)

@@ -215,8 +215,8 @@ def replay_main(argv: list[str]) -> None:
                 return self.pusher.trainer_version
             versions = [
                 e.record.policy_version
-                for e in self.directory.peers()
-                if e.record.role == "trainer" and e.record.policy_version is not None
+                for e in self.directory.trainers()
+                if e.record.policy_version is not None
             ]
             return max(versions) if versions else None
 
@@ -488,8 +488,7 @@ class Probe:
 
     def trainer_ready(self) -> bool:
         return any(
-            e.record.role == "trainer" and e.record.accepts_rollouts and e.record.state == "running"
-            for e in self.directory.peers()
+            e.record.accepts_rollouts and e.record.state == "running" for e in self.directory.trainers()
         )
 
     def close(self) -> None:

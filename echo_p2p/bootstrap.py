@@ -46,6 +46,9 @@ class BootstrapPeer:
         self.maddrs: list[str] = []
         self._stopped = False
         self._run_record = None  # (SwarmKeys, SignedRunRecord, RunRecord) this bootstrap keeps on the DHT
+        self._run_trust = (
+            None  # (SwarmDirectory, RunTrust) of that run: whom this node takes trainer records from
+        )
 
     def start(self) -> None:
         from echo_p2p.net.keys import SwarmKeys
@@ -126,16 +129,25 @@ class BootstrapPeer:
                 logger.warning("could not count peers: %s", exc)
 
     def _keep_run_record(self) -> None:
+        """Re-store the run record, follow the newest one the owner signed (the run's trainers may change) and
+        tell this node whose trainer records to store (``SwarmDirectory.follow_trust``)."""
         if self._run_record is None:
             return
         from echo_p2p.net.directory import SwarmDirectory
+        from echo_p2p.transport.trust import RunTrust
 
-        keys, signed, _ = self._run_record
+        keys, signed, record = self._run_record
+        if self._run_trust is None:
+            trust = RunTrust(owner=record.owner_peer_id(), run_id=record.run_id)
+            trust.update([signed])
+            self._run_trust = (SwarmDirectory(self.dht, keys, self.identity), trust)
+        directory, trust = self._run_trust
         try:
-            if not SwarmDirectory(self.dht, keys, self.identity).announce_run_record(
-                signed, 3 * RUN_RECORD_PERIOD
-            ):
+            directory.follow_trust(trust)  # first: the trainers' records must not land before it knows them
+            if not directory.announce_run_record(signed, 3 * RUN_RECORD_PERIOD):
                 logger.warning("the run record of %s was not stored by any DHT node", keys.run_id)
+            trust.update(e.record for e in directory.run_records())
+            directory.follow_trust(trust)
         except Exception as exc:  # keep serving the DHT whatever happens
             logger.warning("storing the run record failed: %r", exc)
 

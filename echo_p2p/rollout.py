@@ -15,6 +15,8 @@ import uuid
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from echo_p2p import PROTOCOL_VERSION
+
 #: Largest reward magnitude on the wire. Rewards are any finite real (a TRL-style length penalty or a -1..1
 #: correctness score keeps its meaning), but every message from a peer is untrusted, so a claimed reward is
 #: bounded: a record with ``|claimed_reward| > MAX_ABS_REWARD`` (or NaN, or infinity) does not parse. Tasks
@@ -65,7 +67,7 @@ class RolloutGroup(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    protocol: int = Field(default=1, description="Wire protocol version")
+    protocol: int = Field(default=PROTOCOL_VERSION, description="Wire protocol version")
     rollout_id: str = Field(
         default_factory=lambda: uuid.uuid4().hex, description="Unique id, for de-duplication"
     )

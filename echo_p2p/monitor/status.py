@@ -54,7 +54,7 @@ def read_snapshot(
     try:
         if trust is not None and trust.owner is not None:
             trust.update(entry.record for entry in directory.run_records())
-        snap.peers = directory.peers()
+        snap.peers = directory.everyone()
         snap.policies = directory.policies()
         snap.bans = directory.ban_records()
         if connections is not None:

@@ -1,6 +1,6 @@
 """The swarm directory: announcing this peer and listing the others, on hivemind's DHT.
 
-Owned here: all reads and writes of the run's peer and provider records (keys from ``keys.py``, schemas
+Owned here: all reads and writes of the run's peer, trainer and provider records (keys from ``keys.py``, schemas
 from ``records.py``). Writes are signed per subkey by the peer's own key (hivemind's
 RSASignatureValidator), so no peer can overwrite another's record; reads drop records whose signing key
 does not match the peer id written inside, records whose subkey is anything but exactly their owner's
@@ -20,6 +20,8 @@ from typing import Generic, TypeVar
 from echo_p2p.net.identity import Identity, peer_id_from_owner_key
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import (
+    NON_TRAINER_ROLES,
+    TRAINER_ROLES,
     BanRecord,
     OtherProtocolError,
     PeerRecord,
@@ -57,11 +59,14 @@ class SwarmDirectory:
         self.rejected: Counter[str] = Counter()  # reason -> count, for records dropped on read
         self.read_timeouts = 0  # reads that got no answer within request_timeout (a monitor's "DHT down")
         self._warned_protocols: set[tuple[str, int]] = set()
+        self._trainer_writers: frozenset[str] | None = None  # what this node was last told (None: anyone)
 
     # ---- writes -----------------------------------------------------------------------------------------
     def announce(self, record: PeerRecord, ttl: float, timeout: float | None = None) -> bool:
-        """Store this peer's record for ``ttl`` seconds; True when at least one DHT node accepted it."""
-        return self._store(self.keys.peers, record, ttl, timeout)
+        """Store this peer's record for ``ttl`` seconds (a trainer's under ``trainers``, others' under ``peers``);
+        True when at least one DHT node accepted it."""
+        key = self.keys.trainers if record.role in TRAINER_ROLES else self.keys.peers
+        return self._store(key, record, ttl, timeout)
 
     def announce_provider(self, record: ProviderRecord, ttl: float, timeout: float | None = None) -> bool:
         return self._store(self.keys.providers, record, ttl, timeout)
@@ -97,9 +102,37 @@ class SwarmDirectory:
 
     # ---- reads ------------------------------------------------------------------------------------------
     def peers(self) -> list[Entry[PeerRecord]]:
-        """Every valid, unexpired peer record of the run, newest announcement first."""
-        entries = self._read(self.keys.peers, PeerRecord)
+        """Every valid, unexpired record of the run's inference peers and bootstraps, newest first."""
+        entries = self._read(self.keys.peers, PeerRecord, NON_TRAINER_ROLES)
         return sorted(entries, key=lambda e: -e.record.updated_at)
+
+    def trainers(self) -> list[Entry[PeerRecord]]:
+        """Every valid, unexpired trainer record, newest first: only the writers this node was told to trust
+        (``follow_trust``) are stored by or read from echo_p2p nodes, so a flood of ``peers`` never slows it."""
+        entries = self._read(self.keys.trainers, PeerRecord, TRAINER_ROLES)
+        return sorted(entries, key=lambda e: -e.record.updated_at)
+
+    def everyone(self) -> list[Entry[PeerRecord]]:
+        """Trainers and other peers, newest first (``swarm status``, the monitor, the peer cache)."""
+        return sorted(self.trainers() + self.peers(), key=lambda e: -e.record.updated_at)
+
+    def follow_trust(self, trust) -> bool:
+        """Tell this node who may write the trainer-only keys (``trainers``, ``policy``, ``bans``;
+        ``net.trainer_writers``): the trainers ``trust`` (a ``RunTrust``) trusts now,
+        nobody while a run owner's record is still unknown, anyone when the run declares no trainers. True
+        when the node has the set (it is only sent when it changed); False when the DHT did not answer."""
+        from echo_p2p.net.trainer_writers import set_trainer_writers
+
+        allowed = trust.trusted_ids() if trust is not None else None
+        if allowed == self._trainer_writers:
+            return True
+        try:
+            set_trainer_writers(self.dht, self.keys, allowed, timeout=self.request_timeout)
+        except Exception as exc:  # a DHT process that died or did not answer: try again next time
+            logger.warning("telling the DHT node the run's trainers failed: %r", exc)
+            return False
+        self._trainer_writers = allowed
+        return True
 
     def providers(self) -> list[Entry[ProviderRecord]]:
         return self._read(self.keys.providers, ProviderRecord)
@@ -117,7 +150,7 @@ class SwarmDirectory:
         """Every trainer's bans (trust is the caller's business)."""
         return self._read(self.keys.bans, BanRecord)
 
-    def _read(self, key: str, cls: type[R]) -> list[Entry[R]]:
+    def _read(self, key: str, cls: type[R], roles: frozenset[str] | None = None) -> list[Entry[R]]:
         from hivemind.utils import get_dht_time
 
         future = self.dht.get(key, latest=True, return_future=True)
@@ -140,8 +173,12 @@ class SwarmDirectory:
                 self.rejected[violation] += 1
                 continue
             record = self._parse(subkey, item.value, cls)
-            if record is not None:
-                out.append(Entry(record, item.expiration_time))
+            if record is None:
+                continue
+            if roles is not None and getattr(record, "role", None) not in roles:
+                self.rejected["wrong_key_for_role"] += 1
+                continue
+            out.append(Entry(record, item.expiration_time))
         return out
 
     def _parse(self, subkey: object, value: object, cls: type[R]) -> R | None:

@@ -1,6 +1,6 @@
 """Every DHT key that echo_p2p reads or writes is built here, and only here.
 
-Keys carry the protocol version and the run id (``echo/v1/<run_id>/<name>``), so two runs, or two
+Keys carry the protocol version and the run id (``echo/v2/<run_id>/<name>``), so two runs, or two
 protocol versions, never read each other's records. Callers: the swarm directory, the weights and
 rollout transports, the CLIs. This module must not touch the network.
 """
@@ -42,8 +42,15 @@ class SwarmKeys:
 
     @property
     def peers(self) -> str:
-        """Dictionary key: one subkey per peer (its owner key), value = that peer's ``PeerRecord``."""
+        """Dictionary key: one subkey per peer (its owner key), value = that peer's ``PeerRecord`` (inference peers
+        and bootstraps; trainers announce under ``trainers``)."""
         return f"{self.prefix}/peers"
+
+    @property
+    def trainers(self) -> str:
+        """Dictionary key: one subkey per trainer, value = its ``PeerRecord``. Only the trainers the run trusts
+        may write it (``net.trainer_writers``): a flood of peer records cannot reach its readers."""
+        return f"{self.prefix}/trainers"
 
     @property
     def policy(self) -> str:
@@ -69,6 +76,7 @@ class SwarmKeys:
         """Name -> raw key, for every key of the run (used to build the DHT schema validator)."""
         return {
             "peers": self.peers,
+            "trainers": self.trainers,
             "policy": self.policy,
             "providers": self.providers,
             "run": self.run,

@@ -70,12 +70,16 @@ def start_dht(
 
     from echo_p2p.net.reachability import relay_options
     from echo_p2p.net.records import rules_validator, schema_validator
+    from echo_p2p.net.trainer_writers import TrainerWriters, trainer_keys
 
     if not client_mode:
         check_ports_free(network.host_maddrs)
     validators = [RSASignatureValidator(identity.private_key)]
     validators += [schema_validator(keys) for keys in run_keys]
     validators += [rules_validator(keys) for keys in run_keys]
+    validators += [
+        TrainerWriters(trainer_keys(keys)) for keys in run_keys
+    ]  # anyone, until told (follow_trust)
     kwargs = dict(
         initial_peers=list(network.initial_peers),
         host_maddrs=list(network.host_maddrs),

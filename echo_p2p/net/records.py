@@ -21,6 +21,10 @@ from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.rollout import MAX_ABS_REWARD
 
 Role = Literal["inference", "trainer", "bootstrap"]
+#: Trainers announce under ``SwarmKeys.trainers``, every other role under ``SwarmKeys.peers`` (a record under
+#: the wrong one is refused by echo_p2p nodes and ignored by readers).
+TRAINER_ROLES = frozenset({"trainer"})
+NON_TRAINER_ROLES = frozenset({"inference", "bootstrap"})
 MAX_MADDRS = 16
 MAX_STR = 256
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -103,7 +107,8 @@ def _short(exc: ValidationError) -> str:
 
 
 class PeerRecord(WireRecord):
-    """What a peer announces about itself under ``SwarmKeys.peers`` (subkey: its own public key)."""
+    """What a peer announces about itself (subkey: its own public key): under ``SwarmKeys.trainers`` for a
+    trainer, ``SwarmKeys.peers`` for the other roles."""
 
     peer_id: str = Field(max_length=128, description="libp2p peer id (base58); must match the signing key")
     role: Role = Field(description="The peer's role in the run")
@@ -264,6 +269,7 @@ class _DhtValue:
     """
 
     record_cls: type[WireRecord] = WireRecord
+    roles: frozenset[str] | None = None  # the roles a PeerRecord may have under this key (None: any)
 
     @classmethod
     def __get_validators__(cls):
@@ -272,16 +278,19 @@ class _DhtValue:
     @classmethod
     def validate(cls, value: Any) -> Any:
         try:
-            cls.record_cls.from_wire(value)
+            record = cls.record_cls.from_wire(value)
         except OtherProtocolError:
             return value
         except RecordError as exc:
             raise ValueError(str(exc)) from exc
+        if cls.roles is not None and getattr(record, "role", None) not in cls.roles:
+            raise ValueError(f"a {record.role} record does not belong under this key")
         return value
 
 
-def _value_type(record_cls: type[WireRecord]) -> type:
-    return type(f"DHT{record_cls.__name__}", (_DhtValue,), {"record_cls": record_cls})
+def _value_type(record_cls: type[WireRecord], roles: frozenset[str] | None = None) -> type:
+    name = f"DHT{record_cls.__name__}{''.join(sorted(roles or ()))}"
+    return type(name, (_DhtValue,), {"record_cls": record_cls, "roles": roles})
 
 
 def schema_validator(keys: SwarmKeys):
@@ -291,7 +300,8 @@ def schema_validator(keys: SwarmKeys):
 
     owner = conbytes(regex=OWNER_SUBKEY_RE.pattern)
     fields = {
-        keys.peers: (dict[owner, _value_type(PeerRecord)], None),
+        keys.peers: (dict[owner, _value_type(PeerRecord, NON_TRAINER_ROLES)], None),
+        keys.trainers: (dict[owner, _value_type(PeerRecord, TRAINER_ROLES)], None),
         keys.providers: (dict[owner, _value_type(ProviderRecord)], None),
         keys.policy: (dict[owner, _value_type(PolicyRecord)], None),
         keys.run: (dict[owner, _value_type(SignedRunRecord)], None),

@@ -110,7 +110,7 @@ class BasePeer:
         self.maddrs, self.reachability = self.reach.current()
         self.trust = self._make_trust()
         self._keep_run_record()
-        if self.trust.owner is not None and not wait_for(self.refresh_trust, RUN_RECORD_WAIT, period=1.0):
+        if not wait_for(self.refresh_trust, RUN_RECORD_WAIT, period=1.0):
             logger.warning(
                 "%s no run record of owner %s found yet: no trainer is trusted until one arrives",
                 self.prefix(),
@@ -195,13 +195,16 @@ class BasePeer:
             self.directory.announce_run_record(self._signed_run_record, self.config.record_ttl)
 
     def refresh_trust(self) -> bool:
-        """Apply the newest valid run record of the owner found on the DHT; True when one is in force."""
-        if self.trust is None or self.trust.owner is None:
+        """Apply the newest valid run record of the owner found on the DHT and tell this peer's DHT node whom
+        to take trainer records from (``SwarmDirectory.follow_trust``); True when the run's trainers are known
+        (always, for a trusted-trainers file or a run that declares none)."""
+        if self.trust is None:
             return True
-        if self.trust.update(entry.record for entry in self.directory.run_records()):
+        if self.trust.owner is not None and self.trust.update(e.record for e in self.directory.run_records()):
             logger.info("%s trusts %s", self.prefix(), self.trust.describe())
             self._check_run_settings(self.trust.record)
-        return self.trust.record is not None
+        self.directory.follow_trust(self.trust)
+        return self.trust.owner is None or self.trust.record is not None
 
     def _check_run_settings(self, record) -> None:
         """A run record says what the run trains: a peer configured for something else must not take part."""
@@ -288,7 +291,7 @@ class BasePeer:
             return
         trainers, others = [], []
         try:
-            entries = list(self.directory.peers())
+            entries = list(self.directory.everyone())
         except Exception as exc:  # a DHT read that failed: the cache keeps what it had
             logger.debug("%s reading peers for the cache failed: %r", self.prefix(), exc)
             return

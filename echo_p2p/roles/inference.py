@@ -310,7 +310,7 @@ class InferencePeer(BasePeer):
             newest = max(
                 (
                     e.record.policy_version or 0
-                    for e in self.directory.peers()
+                    for e in self.directory.trainers()
                     if e.record.role == "trainer" and self.trust.is_trusted(e.record.peer_id)
                 ),
                 default=None,

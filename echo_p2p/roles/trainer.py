@@ -338,7 +338,7 @@ class TrainerPeer(BasePeer):
     def _choose_publisher(self) -> bool:
         """Whether this trainer publishes (``elect_publisher`` over the directory's trainers)."""
         try:
-            entries = list(self.directory.peers())
+            entries = list(self.directory.trainers())
         except Exception:
             entries = []
         return elect_publisher(

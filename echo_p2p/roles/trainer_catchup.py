@@ -32,7 +32,7 @@ class CatchUp:
     :param reached: ``version -> bool``, called when the weights moved to a new version (``TrainerPeer._reached``)
     :param drift: the guard's drift tracker (``record(before, after, None)``: a span whose drift is unknown)
     :param future_refused: how many pushes the ingest refused as ``future_version`` so far (0 in sync mode)
-    :param directory: the swarm directory (``peers()``, ``policies()``), read only after new such refusals
+    :param directory: the swarm directory (``trainers()``, ``policies()``), read only after new such refusals
     """
 
     def __init__(
@@ -90,7 +90,7 @@ class CatchUp:
         self._refused_seen = refused
         try:
             target = orphaned_version(
-                self.peer_id, before, [e.record for e in self.directory.peers()],
+                self.peer_id, before, [e.record for e in self.directory.trainers()],
                 [e.record for e in self.directory.policies()], self.trust,
             )  # fmt: skip
         except Exception:  # the DHT did not answer: try again at the next attempt

@@ -86,7 +86,7 @@ class _Trainer:
 class RolloutPusher:
     """Inference side of the async push: a bounded outbox and a sender thread (see the module doc).
 
-    ``directory`` is anything with ``peers() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``). The
+    ``directory`` is anything with ``trainers() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``). The
     sampling thread calls ``submit``; ``start``/``shutdown`` bracket the sender thread. ``is_trusted``
     (``peer_id -> bool``, e.g. ``RunTrust.is_trusted``): only trainers it accepts are ever pushed to; a peer
     that merely announces ``role: trainer`` gets nothing (counted ``untrusted_trainers_skipped``).
@@ -347,7 +347,7 @@ class RolloutPusher:
     def _refresh(self) -> None:
         self._refreshed_at = time.monotonic()
         try:
-            entries = self.directory.peers()
+            entries = self.directory.trainers()
         except Exception as exc:
             logger.info("reading the trainer list failed: %s", exc)
             return

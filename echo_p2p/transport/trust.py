@@ -123,6 +123,18 @@ class RunTrust:
         record = self.record
         return record is not None and record.expires_at > time.time() and peer_id in record.trainers
 
+    def trusted_ids(self) -> frozenset[str] | None:
+        """The peer ids trusted now, or None for anyone (a run that declares no trainers); a run owner's
+        record not yet found, or expired, trusts nobody (an empty set)."""
+        if self.fixed is not None:
+            return self.fixed.peer_ids
+        if self.owner is None:
+            return None
+        record = self.record
+        if record is None or record.expires_at <= time.time():
+            return frozenset()
+        return frozenset(record.trainers)
+
     def update(self, signed: Iterable, now: float | None = None) -> bool:
         """Apply the newest valid record among ``signed`` (``SignedRunRecord``s) if it is newer than the one in
         force; True when the trusted set changed."""

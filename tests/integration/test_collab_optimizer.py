@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from echo_p2p import PROTOCOL_VERSION
 from tests.conftest import REPO, Procs, read_log, wait_until
 
 pytestmark = pytest.mark.timeout(150)
@@ -224,7 +225,7 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
 def test_config_and_run_id_rules() -> None:
     from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig, trainer_swarm_run_id
 
-    assert trainer_swarm_run_id("demo") == "echo-v1-demo-trainers"
+    assert trainer_swarm_run_id("demo") == f"echo-v{PROTOCOL_VERSION}-demo-trainers"
     with pytest.raises(ValueError):
         trainer_swarm_run_id("bad id/with slash")
     with pytest.raises(ValueError, match="request_timeout"):

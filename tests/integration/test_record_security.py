@@ -10,6 +10,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
 
+from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.config import NetworkConfig
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import load_or_create_identity
@@ -78,12 +79,12 @@ def test_forged_record_for_someone_elses_subkey_is_rejected(swarm):
         record_validators=[ForgingValidator(attacker_ident.private_key)],
     )
     started.append((attacker, attacker_ident))
-    forged = PeerRecord(peer_id=victim.peer_id, role="inference", state="leaving").to_wire()
+    forged = PeerRecord(peer_id=victim.peer_id, role="trainer", state="leaving").to_wire()
     # every honest node refuses to store it (the attacker's own node keeps a copy, which it serves)
-    attacker.store(keys.peers, forged, get_dht_time() + 60, subkey=victim.owner_key)
+    attacker.store(keys.trainers, forged, get_dht_time() + 60, subkey=victim.owner_key)
 
     for directory in (reader_dir, victim_dir):
-        records = {e.record.peer_id: e.record for e in directory.peers()}
+        records = {e.record.peer_id: e.record for e in directory.trainers()}
         assert records[victim.peer_id].role == "trainer"
         assert records[victim.peer_id].state == "running"
 
@@ -95,7 +96,7 @@ def test_record_whose_peer_id_does_not_match_its_signing_key_is_dropped(swarm):
     _, liar, liar_dir = honest(maddrs(boot))
     _, _, reader_dir = honest(maddrs(boot))
     # correctly signed by the liar's own key, but claiming to be the victim
-    assert liar_dir.announce(PeerRecord(peer_id=victim.peer_id, role="trainer"), ttl=60)
+    assert liar_dir.announce(PeerRecord(peer_id=victim.peer_id, role="inference"), ttl=60)
     assert reader_dir.peers() == []
     assert reader_dir.rejected["peer_id_mismatch"] == 1
 
@@ -105,7 +106,12 @@ def test_malformed_record_is_refused_by_honest_nodes_and_never_crashes_a_reader(
     boot, _, _ = honest()
     _, _, reader_dir = honest(maddrs(boot))
     rogue, rogue_ident = rogue_node(boot, started)
-    bad = {"protocol": 1, "peer_id": rogue_ident.peer_id, "role": "emperor", "policy_version": "many"}
+    bad = {
+        "protocol": PROTOCOL_VERSION,
+        "peer_id": rogue_ident.peer_id,
+        "role": "emperor",
+        "policy_version": "many",
+    }
     rogue.store(keys.peers, bad, get_dht_time() + 60, subkey=rogue_ident.owner_key)
     rogue.store(keys.peers, b"\xff not even a map", get_dht_time() + 60, subkey=rogue_ident.owner_key)
     assert reader_dir.peers() == []
@@ -116,7 +122,12 @@ def test_record_of_another_protocol_version_is_ignored_with_one_log_line(swarm, 
     boot, _, _ = honest()
     _, future_peer, future_dir = honest(maddrs(boot))
     _, _, reader_dir = honest(maddrs(boot))
-    newer = {"protocol": 2, "peer_id": future_peer.peer_id, "role": "trainer", "shiny_new_field": True}
+    newer = {
+        "protocol": PROTOCOL_VERSION + 1,
+        "peer_id": future_peer.peer_id,
+        "role": "inference",
+        "shiny_new_field": True,
+    }
     from hivemind.utils import get_dht_time as now
 
     stored = future_dir.dht.store(keys.peers, newer, now() + 60, subkey=future_peer.owner_key)
@@ -124,7 +135,7 @@ def test_record_of_another_protocol_version_is_ignored_with_one_log_line(swarm, 
     with caplog.at_level(logging.INFO, logger="echo_p2p"):
         assert reader_dir.peers() == []
         assert reader_dir.peers() == []
-    lines = [r for r in caplog.records if "protocol version 2" in r.getMessage()]
+    lines = [r for r in caplog.records if f"protocol version {PROTOCOL_VERSION + 1}" in r.getMessage()]
     assert len(lines) == 1
     assert reader_dir.rejected["other_protocol"] == 2
 
@@ -150,9 +161,9 @@ def test_one_key_holds_one_record_a_flood_of_subkeys_is_refused_and_ignored(swar
     boot, _, _ = honest()
     _, trainer, trainer_dir = honest(maddrs(boot))
     _, _, reader_dir = honest(maddrs(boot))
-    assert trainer_dir.announce(PeerRecord(peer_id=trainer.peer_id, role="trainer"), ttl=60)
+    assert trainer_dir.announce(PeerRecord(peer_id=trainer.peer_id, role="inference"), ttl=60)
     rogue, rogue_ident = rogue_node(boot, started)
-    record = PeerRecord(peer_id=rogue_ident.peer_id, role="trainer").to_wire()
+    record = PeerRecord(peer_id=rogue_ident.peer_id, role="inference").to_wire()
     for i in range(50):
         rogue.store(keys.peers, record, get_dht_time() + 60, subkey=rogue_ident.owner_key + b"%d" % i)
     # an honest node refuses to store them
@@ -178,9 +189,63 @@ def test_a_record_stored_to_outlive_its_writer_is_refused_and_ignored(swarm):
     assert ghost_dir.announce(record, ttl=MAX_RECORD_TTL)  # the longest honest lifetime is fine
     rogue, rogue_ident = rogue_node(boot, started)
     rogue.store(
-        keys.peers,
+        keys.trainers,
         PeerRecord(peer_id=rogue_ident.peer_id, role="trainer").to_wire(),
         get_dht_time() + 1e6,
         subkey=rogue_ident.owner_key,
     )
-    assert [e.record.peer_id for e in reader_dir.peers()] == [ghost.peer_id]
+    assert [e.record.peer_id for e in reader_dir.trainers()] == [ghost.peer_id]
+
+
+async def _stored_trainer_writers(_dht, node, key: str) -> list[str]:
+    """Inside a DHT process: the peer ids whose records this node holds under ``key`` (storage, not network)."""
+    from hivemind.dht.routing import DHTID
+
+    from echo_p2p.net.identity import peer_id_from_owner_key
+
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    if found is None or not hasattr(found.value, "items"):
+        return []
+    return sorted(peer_id_from_owner_key(subkey) for subkey, _ in found.value.items())
+
+
+def test_only_the_runs_trainers_write_the_trainers_key(swarm):
+    """Keys are cheap: a Sybil makes one record per key under ``peers``. The trainers key takes only the
+    trainers the run trusts: a node told them (``follow_trust``) drops what others stored there before, refuses
+    new such records, and a reader told them drops a rogue node's answer that holds one."""
+    from functools import partial
+
+    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+    keys, honest, started = swarm
+    boot, _, boot_dir = honest()
+    _, trainer, trainer_dir = honest(maddrs(boot))
+    _, stranger, stranger_dir = honest(maddrs(boot))  # echo_p2p code under a stranger's key
+    _, _, reader_dir = honest(maddrs(boot))
+    stored = partial(_stored_trainer_writers, key=keys.trainers)
+    # while the nodes know no trainers (open), the stranger's trainer record lands on the bootstrap
+    assert stranger_dir.announce(PeerRecord(peer_id=stranger.peer_id, role="trainer"), ttl=60)
+    assert stranger.peer_id in boot.run_coroutine(stored)
+
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([trainer.peer_id]))
+    for directory in (boot_dir, trainer_dir, reader_dir):
+        assert directory.follow_trust(trust)
+    assert boot.run_coroutine(stored) == []  # removed when the node learned the run's trainers
+    assert trainer_dir.announce(PeerRecord(peer_id=trainer.peer_id, role="trainer"), ttl=60)
+    assert boot.run_coroutine(stored) == [trainer.peer_id]
+    stranger_dir.announce(PeerRecord(peer_id=stranger.peer_id, role="trainer"), ttl=60)  # only its own node
+    assert boot.run_coroutine(stored) == [trainer.peer_id]  # refused by the told nodes
+
+    rogue, rogue_ident = rogue_node(boot, started)  # plain hivemind: keeps and serves what it stores
+    rogue.store(
+        keys.trainers,
+        PeerRecord(peer_id=rogue_ident.peer_id, role="trainer").to_wire(),
+        get_dht_time() + 60,
+        subkey=rogue_ident.owner_key,
+    )
+    assert boot.run_coroutine(stored) == [trainer.peer_id]
+    for _ in range(3):  # whichever nodes answer first, the untrusted records never reach the reader
+        assert [e.record.peer_id for e in reader_dir.trainers()] == [trainer.peer_id]
+    # an inference record cannot stand in for a trainer's, nor a trainer's for an inference peer's
+    assert not boot_dir._store(keys.peers, PeerRecord(peer_id=boot_dir.identity.peer_id, role="trainer"), 60)
+    assert reader_dir.peers() == []

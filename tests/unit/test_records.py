@@ -40,14 +40,24 @@ def test_other_protocol_version_is_a_distinct_error():
         b"bytes",
         {"role": "trainer", "peer_id": "QmX"},  # no protocol
         {"protocol": "1", "role": "trainer", "peer_id": "QmX"},  # protocol not an int
-        {"protocol": 1, "role": "emperor", "peer_id": "QmX"},
-        {"protocol": 1, "role": "trainer"},  # no peer id
-        {"protocol": 1, "role": "trainer", "peer_id": "QmX", "policy_version": -1},
-        {"protocol": 1, "role": "trainer", "peer_id": "QmX", "maddrs": ["a"] * 100},
-        {"protocol": 1, "role": "trainer", "peer_id": "x" * 1000},
-        {"protocol": 1, "role": "inference", "peer_id": "QmX", "tokens_per_second": float("inf")},
-        {"protocol": 1, "role": "inference", "peer_id": "QmX", "rollouts_per_second": float("nan")},
-        {"protocol": 1, "role": "trainer", "peer_id": "QmX", "updated_at": float("nan")},
+        {"protocol": PROTOCOL_VERSION, "role": "emperor", "peer_id": "QmX"},
+        {"protocol": PROTOCOL_VERSION, "role": "trainer"},  # no peer id
+        {"protocol": PROTOCOL_VERSION, "role": "trainer", "peer_id": "QmX", "policy_version": -1},
+        {"protocol": PROTOCOL_VERSION, "role": "trainer", "peer_id": "QmX", "maddrs": ["a"] * 100},
+        {"protocol": PROTOCOL_VERSION, "role": "trainer", "peer_id": "x" * 1000},
+        {
+            "protocol": PROTOCOL_VERSION,
+            "role": "inference",
+            "peer_id": "QmX",
+            "tokens_per_second": float("inf"),
+        },
+        {
+            "protocol": PROTOCOL_VERSION,
+            "role": "inference",
+            "peer_id": "QmX",
+            "rollouts_per_second": float("nan"),
+        },
+        {"protocol": PROTOCOL_VERSION, "role": "trainer", "peer_id": "QmX", "updated_at": float("nan")},
     ],
 )
 def test_malformed_records_raise_record_error(value):
@@ -67,7 +77,7 @@ def test_dht_schema_type_accepts_valid_and_future_records_unchanged_and_refuses_
     future = {"protocol": PROTOCOL_VERSION + 1, "anything": "goes"}
     assert typ.validate(future) is future
     with pytest.raises(ValueError):
-        typ.validate({"protocol": 1, "role": "nope", "peer_id": "QmX"})
+        typ.validate({"protocol": PROTOCOL_VERSION, "role": "nope", "peer_id": "QmX"})
 
 
 def test_directory_reads_one_record_per_owner_key_and_no_far_expiry():
@@ -99,8 +109,11 @@ def test_directory_reads_one_record_per_owner_key_and_no_far_expiry():
             return future
 
     directory = SwarmDirectory(FakeDht(), SwarmKeys("r"), honest)
-    assert [e.record.peer_id for e in directory.peers()] == [honest.peer_id]
+    assert [e.record.peer_id for e in directory.trainers()] == [honest.peer_id]
     assert directory.rejected == {"bad_subkey": 21, "expiry_too_far": 1}
+    directory.rejected.clear()  # the same records read as ``peers``: a trainer record there is out of place
+    assert directory.peers() == []
+    assert directory.rejected == {"bad_subkey": 21, "expiry_too_far": 1, "wrong_key_for_role": 1}
     honest.cleanup()
     flooder.cleanup()
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PeerRecord, PolicyRecord, ProviderRecord, RecordError
@@ -66,7 +67,7 @@ def test_what_the_parser_remembers_about_refused_records_stays_bounded(identity,
     with long made-up peer ids (never checked: the record is refused before), must not grow that memory."""
     d = directory(identity)
     for i in range(20_000):
-        value = {**honest[PeerRecord], "protocol": 2 + i, "peer_id": f"Qm{i}" + "x" * 1000}
+        value = {**honest[PeerRecord], "protocol": PROTOCOL_VERSION + 1 + i, "peer_id": f"Qm{i}" + "x" * 1000}
         assert d._parse(identity.owner_key, value, PeerRecord) is None
     assert d.rejected["other_protocol"] == 20_000
     assert len(d._warned_protocols) <= 4096

@@ -157,7 +157,7 @@ class FakeDirectory:
         self.request_timeout = 5.0
         self.rejected = {"malformed": 2}
 
-    def peers(self):
+    def everyone(self):
         if self.fail:
             raise BrokenPipeError("the DHT process is gone")
         self.read_timeouts += self.timeouts_per_read

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import build_char_tokenizer, decode_completion, encode_prompts
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.tasks import build_task
@@ -115,7 +116,7 @@ def test_claimed_reward_far_from_the_rescore_is_forged(validator, tok, task):
         (lambda g, tok: setattr(g.completions[0], "token_ids", []), Reason.MALFORMED),
         (lambda g, tok: setattr(g, "rollout_id", ""), Reason.MALFORMED),
         (lambda g, tok: setattr(g, "rollout_id", "x" * 65), Reason.MALFORMED),
-        (lambda g, tok: setattr(g, "protocol", 2), Reason.OTHER_PROTOCOL),
+        (lambda g, tok: setattr(g, "protocol", PROTOCOL_VERSION + 1), Reason.OTHER_PROTOCOL),
     ],
     ids=lambda v: v.value if isinstance(v, Reason) else "",
 )

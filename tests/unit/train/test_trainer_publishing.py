@@ -224,7 +224,7 @@ def test_a_trainer_whose_catch_up_loads_nothing_goes_on_alone_only_after_new_fut
     class Directory:
         reads = 0
 
-        def peers(self):
+        def trainers(self):
             self.reads += 1
             return [SimpleNamespace(record=PeerRecord(peer_id=me, role="trainer", policy_version=6))]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord, RecordError, _value_type
 
@@ -73,7 +74,11 @@ def test_provider_record_digests_are_checked():
     assert ProviderRecord.from_wire(record.to_wire()) == record
     with pytest.raises(RecordError):
         ProviderRecord.from_wire(record.to_wire() | {"partial": ["nope"]})
-    old_style = {"protocol": 1, "peer_id": "QmX", "versions": [1]}  # before the new fields: still valid
+    old_style = {
+        "protocol": PROTOCOL_VERSION,
+        "peer_id": "QmX",
+        "versions": [1],
+    }  # before the new fields: still valid
     assert ProviderRecord.from_wire(old_style).manifests == []
 
 
