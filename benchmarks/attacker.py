@@ -15,6 +15,12 @@ joins the run's DHT from its join address, finds the trainers in the directory a
   subkeys) expiring in 10^6 s, over and over (the directory flood);
 * ``ghost``: stores one ``role: trainer`` record under a key whose peer id sorts below every trainer's,
   expiring as late as the DHT lets it, and leaves at once (the ghost trainer);
+* ``sybil``: makes as many keys as it can (one every ~0.1 s) and, from its own DHT node (which keeps and serves
+  what it stores), has each one announce an inference peer, a trainer accepting rollouts and a weight
+  provider claiming what the best real provider holds, all at addresses where nobody answers; re-stored
+  every 60 s;
+* ``tarpit``: a DHT node that joins the run, then never answers another request (its event loop is stuck,
+  its daemon keeps the connections): every read or store that asks it waits for hivemind's timeout;
 * ``idle``: the control: joins like the push attacks (DHT node, P2P loop, reads the trainers from the
   directory every 0.5 s) and sends nothing, so that what the attacker's own processes cost a shared machine
   is measured apart from what its messages cost the run.
@@ -101,6 +107,8 @@ class Attacker:
         self.identity = load_or_create_identity(None)
         if attack in ("flood",):
             return self._flood()
+        if attack == "tarpit":
+            return self._tarpit()
         self.dht = start_dht(
             NetworkConfig(initial_peers=list(self.join.initial_peers), host_maddrs=LOOPBACK), self.identity
         )
@@ -110,6 +118,8 @@ class Attacker:
                 return self._ghost()
             if attack == "idle":
                 return self._idle()
+            if attack == "sybil":
+                return self._sybil()
             return self._push_attack(attack)
         finally:
             stop_dht(self.dht)
@@ -243,6 +253,70 @@ class Attacker:
         ghost.cleanup()
         return dict(self.seen)
 
+    def _sybil(self) -> dict:
+        from sybil import SignedStore
+
+        from echo_p2p.net.identity import load_or_create_identity
+        from echo_p2p.net.records import PeerRecord, ProviderRecord
+
+        deadline = time.monotonic() + self.args.duration
+        nowhere = ["/ip4/127.0.0.1/tcp/9/p2p/"]  # the discard port: nobody answers there
+        keys: list = []
+        refreshed = time.monotonic()
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            real = [e.record for e in self.directory.providers()]  # the attractive claims to copy
+            best = max(real, key=lambda r: max(r.versions, default=-1), default=None)
+            claims = (
+                best.model_dump(include={"versions", "encodings", "stream_id", "manifests"}) if best else {}
+            )
+            ident = load_or_create_identity(None)
+            keys.append(ident)
+            batch = keys if time.monotonic() - refreshed > 60 else [ident]
+            if len(batch) > 1:
+                refreshed = time.monotonic()
+            for key in batch:
+                maddrs = [nowhere[0] + key.peer_id]
+                records = (
+                    (self.keys.peers, PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs)),
+                    (
+                        self.keys.trainers,
+                        PeerRecord(peer_id=key.peer_id, role="trainer", maddrs=maddrs, accepts_rollouts=True),
+                    ),
+                    (self.keys.providers, ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims)),
+                )
+                for dht_key, record in records:
+                    try:
+                        stored = self.dht.run_coroutine(
+                            SignedStore(dht_key, key.private_key, record.to_wire())
+                        )
+                    except Exception:
+                        stored = False
+                    self.seen[f"{dht_key.rsplit('/', 1)[-1]}_{'stored' if stored else 'refused'}"] += 1
+        self.seen["keys"] = len(keys)
+        for key in keys:
+            key.cleanup()
+        return dict(self.seen)
+
+    def _tarpit(self) -> dict:
+        import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        dht = hivemind.DHT(
+            start=True,
+            host_maddrs=LOOPBACK,
+            initial_peers=list(self.join.initial_peers),
+            record_validators=[RSASignatureValidator(self.identity.private_key)],
+        )
+        try:
+            dht.get(self.keys.peers, latest=True)  # joined: the run's nodes have it in their routing tables
+            dht.run_coroutine(_Stuck(self.args.duration + 30), return_future=True)
+            self.seen["stuck"] = 1
+            self.stop.wait(self.args.duration)
+        finally:
+            dht.shutdown()
+            self.identity.cleanup()
+        return dict(self.seen)
+
     def _flood(self) -> dict:
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
@@ -280,11 +354,23 @@ class Attacker:
         return dict(self.seen)
 
 
+class _Stuck:
+    """Runs in the tarpit's DHT process: blocks its event loop, so that no request is ever answered."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def __call__(self, _dht, _node) -> None:
+        time.sleep(self.seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--join", required=True, help="the run's join address RUN:OWNER@MADDRS")
     p.add_argument(
-        "--attack", required=True, choices=["poison", "oversized", "heavy", "flood", "ghost", "idle"]
+        "--attack",
+        required=True,
+        choices=["poison", "oversized", "heavy", "flood", "ghost", "idle", "sybil", "tarpit"],
     )
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--model", default="tiny")

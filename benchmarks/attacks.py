@@ -36,7 +36,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ARMS = ("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost")
+ARMS = ("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit")
 
 
 def wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float) -> bool:

@@ -4,8 +4,11 @@ One key holds one record per directory key (docs/security.md), but keys are chea
 node and a reader node with echo_p2p's rules on 127.0.0.1, has ``N`` fresh keys each store one valid
 ``PeerRecord`` (role inference) in a run, and measures, for each ``N``, how long the reader's
 ``SwarmDirectory.peers()`` takes (median of ``--reads``), how many records it returns, and how long reading
-the run's other keys takes (``policies()``, which a flood of peer records does not touch). Also the time to
-make one key (what a Sybil pays per identity).
+the run's other keys takes (``policies()``, which a flood of peer records does not touch). Each Sybil key
+also stores a trainer record under the run's ``trainers`` key, where one trusted trainer announces: the
+bootstrap and the reader know the run's trainers (``SwarmDirectory.follow_trust``), the Sybil's own node does
+not and serves what it stored, so the ``trainers()`` column is what the pushers, the publisher election and
+the fetchers read under the flood. Also the time to make one key (what a Sybil pays per identity).
 
     .venv/bin/python benchmarks/sybil.py [--sizes 0,100,300,1000] [--reads 5] [--out PATH]
 """
@@ -38,14 +41,20 @@ def main(argv: list[str] | None = None) -> None:
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.net.records import PeerRecord
+    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     keys = SwarmKeys("sybil")
-    boot_id, reader_id, writer_id = (load_or_create_identity(None) for _ in range(3))
+    boot_id, reader_id, writer_id, trainer_id = (load_or_create_identity(None) for _ in range(4))
     boot = start_dht(NetworkConfig(host_maddrs=LOOP), boot_id, [keys])
     peers = visible_maddrs(boot)
     reader = start_dht(NetworkConfig(host_maddrs=LOOP, initial_peers=peers), reader_id, [keys])
     writer = start_dht(NetworkConfig(host_maddrs=LOOP, initial_peers=peers), writer_id, [keys])
     directory = SwarmDirectory(reader, keys, reader_id, request_timeout=30)
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([trainer_id.peer_id]))
+    for dht, ident in ((boot, boot_id), (reader, reader_id)):
+        assert SwarmDirectory(dht, keys, ident).follow_trust(trust)
+    trainer_record = PeerRecord(peer_id=trainer_id.peer_id, role="trainer").to_wire()
+    assert boot.run_coroutine(SignedStore(keys.trainers, trainer_id.private_key, trainer_record))
     rows = []
     stored = 0
     keygen = []
@@ -56,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
                 ident = load_or_create_identity(None)
                 keygen.append(time.perf_counter() - t0)
                 record = PeerRecord(peer_id=ident.peer_id, role="inference").to_wire()
-                stored += bool(writer.run_coroutine(_SignedStore(keys.peers, ident.private_key, record)))
+                stored += bool(writer.run_coroutine(SignedStore(keys.peers, ident.private_key, record)))
+                as_trainer = PeerRecord(peer_id=ident.peer_id, role="trainer").to_wire()
+                writer.run_coroutine(SignedStore(keys.trainers, ident.private_key, as_trainer))
                 ident.cleanup()
             times, counts = [], []
             for _ in range(args.reads):
@@ -66,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             directory.policies()
             other = time.perf_counter() - t0
+            trainer_times, trainer_counts = [], []
+            for _ in range(args.reads):
+                t0 = time.perf_counter()
+                trainer_counts.append(len(directory.trainers()))
+                trainer_times.append(time.perf_counter() - t0)
             rows.append(
                 {
                     "sybil_keys": size,
@@ -73,19 +89,25 @@ def main(argv: list[str] | None = None) -> None:
                     "peers_read_s_median": round(statistics.median(times), 4),
                     "peers_read_s_max": round(max(times), 4),
                     "policy_read_s": round(other, 4),
+                    "trainer_records_read": statistics.median(trainer_counts),
+                    "trainers_read_s_median": round(statistics.median(trainer_times), 4),
+                    "trainers_read_s_max": round(max(trainer_times), 4),
                 }
             )
             print(rows[-1], flush=True)
     finally:
         for dht in (writer, reader, boot):
             stop_dht(dht)
-        for ident in (boot_id, reader_id, writer_id):
+        for ident in (boot_id, reader_id, writer_id, trainer_id):
             ident.cleanup()
-    print(f"\n{'keys':>6} {'read':>6} {'peers() s':>10} {'max s':>7} {'policy s':>9}")
+    print(
+        f"\n{'keys':>6} {'read':>6} {'peers() s':>10} {'max s':>7} {'policy s':>9} {'trainers':>9} {'trainers() s':>13}"
+    )
     for r in rows:
         print(
             f"{r['sybil_keys']:>6} {r['records_read']:>6.0f} {r['peers_read_s_median']:>10.3f} "
-            f"{r['peers_read_s_max']:>7.3f} {r['policy_read_s']:>9.3f}"
+            f"{r['peers_read_s_max']:>7.3f} {r['policy_read_s']:>9.3f} {r['trainer_records_read']:>9.0f} "
+            f"{r['trainers_read_s_median']:>13.3f}"
         )
     keygen_s = statistics.median(keygen) if keygen else None
     print(f"one key: {keygen_s:.3f} s" if keygen_s else "")
@@ -100,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.out}")
 
 
-class _SignedStore:
+class SignedStore:
     """Runs in the writer's DHT process: stores ``record`` under ``key`` signed by ``private_key`` (a Sybil
     identity), by pointing the node's signature validator at that key for this one store."""
 

@@ -67,3 +67,11 @@ class PeerQuotas:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._bucket(peer_id, now).charge(amount, now)
+
+    def available(self, peer_id: str, now: float | None = None) -> float:
+        """What ``peer_id`` may still take now (0 when in debt)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            bucket = self._bucket(peer_id, now)
+            bucket._refill(now)
+            return max(0.0, bucket.level)

@@ -152,6 +152,15 @@ class SampleClientConfig(BaseModel):
         default=30.0, ge=0, description="Seconds a failed peer is asked only as a last resort"
     )
     refresh_period: float = Field(default=2.0, gt=0, description="Seconds between two reads of the peer list")
+    max_unproven_per_round: int = Field(
+        default=4,
+        ge=1,
+        description="Peers that never delivered a group asked per round, at random, one prompt each once "
+        "others have delivered (what a flood of fake sampler records can cost a round)",
+    )
+    unproven_dial_timeout: float = Field(
+        default=5.0, gt=0, description="Deadline (s) to reach a peer that never delivered a group"
+    )
     idle_wait: float = Field(default=0.5, gt=0, description="Seconds to wait when no inference peer is found")
     max_group_bytes: int = Field(
         default=MAX_GROUP_BYTES, ge=1024, description="Largest serialized group parsed"

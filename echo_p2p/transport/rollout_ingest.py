@@ -53,6 +53,10 @@ BAD_FRAME = "bad_frame"
 BANNED = "banned"
 #: Most bytes discarded while a push stream lingers after its ack (about what a sender has in flight).
 LINGER_BYTES = 16 * 1024 * 1024
+#: What a push stream may still read after its ack whatever the sender's quota (its end-of-stream frame).
+LINGER_FLOOR = 64 * 1024
+#: Refusals of senders that break the protocol: their streams linger for ``LINGER_FLOOR`` bytes at most.
+VIOLATIONS = (FRAME_TOO_LARGE, BAD_FRAME, BANNED)
 
 
 @dataclass
@@ -138,11 +142,16 @@ class RolloutIngestServicer(ServicerBase):
             except Exception as exc:  # the sender may be gone: it resends, and a resend is acked DUPLICATE
                 logger.info("push from %s: the ack was not delivered (%r)", sender, exc)
                 return
-            await self._linger(sender, reader)
+            await self._linger(sender, reader, refusal)
 
-    async def _linger(self, sender: str, reader: asyncio.StreamReader) -> None:
+    async def _linger(self, sender: str, reader: asyncio.StreamReader, refusal: str | None = None) -> None:
         """Keep the stream after the ack until the sender closes it, discarding what still arrives (the rest
-        of a refused push), for at most ``ack_linger`` seconds and ``LINGER_BYTES``.
+        of a refused push), for at most ``ack_linger`` seconds and ``LINGER_BYTES``; no more than the sender's
+        byte quota has left (``LINGER_FLOOR`` whatever it has: the end-of-stream frame), and only the floor
+        after a protocol violation (``VIOLATIONS``: a frame above the limit, garbage, a banned sender). Each
+        such push costs the trainer a header and the floor, however much the sender keeps writing: its ack
+        may then be lost to a reset, which only a sender that breaks the rules risks (an honest one past its
+        quota resends later).
 
         Why: p2pd pipes each stream to a local socket, and when that socket is closed while the sender's data
         is unread or its side is still open, the daemon may *reset* the stream; a reset arriving at the
@@ -150,9 +159,12 @@ class RolloutIngestServicer(ServicerBase):
         are resent). A sender that closes first, once it has the ack (``rollout_push.push_payloads``), never
         loses one. hivemind's generic stub waits for the trainer to close: it gets its ack ``ack_linger`` later.
         """
+        limit = LINGER_FLOOR
+        if refusal is None or not refusal.startswith(VIOLATIONS):
+            limit = max(LINGER_FLOOR, min(LINGER_BYTES, int(self._bytes.available(sender))))
         try:
             async with asyncio.timeout(self.config.ack_linger):
-                await until_closed(reader, LINGER_BYTES, lambda n: self._bytes.charge(sender, n))
+                await until_closed(reader, limit, lambda n: self._bytes.charge(sender, n))
         except TimeoutError:
             logger.debug(
                 "push from %s: the sender kept the stream %.0f s past its ack", sender, self.config.ack_linger

@@ -4,7 +4,11 @@ Owned here: ``SampleClient`` (trainer): ``collect`` spreads a batch of prompts o
 on the DHT, in proportion to their announced ``tokens_per_second`` (``spread_by_weight``), sends each peer
 its share as requests of at most ``max_prompts_per_request`` prompts, one at a time (an inference peer
 serves one request per requester at a time), within a deadline, and re-asks other peers for the prompts
-that did not come back. It checks that what came back is what was asked (task, prompt, version, group
+that did not come back. Once some peers delivered, a few that never did are tried per round
+(``max_unproven_per_round``), one prompt each, and dialled with a short deadline (``unproven_dial_timeout``):
+keys are cheap, and a stranger's records of fast samplers at addresses where nobody answers would otherwise
+get most prompts of every round and hold each round for a dial timeout. It
+checks that what came back is what was asked (task, prompt, version, group
 size); the trainer then validates it like any rollout (``ingest``). The inference side, ``SampleServicer``
 and ``SampleError``, is ``rollout_sample`` (re-exported here). Callers: the trainer and inference peers in
 sync mode. Must not import torch.
@@ -16,9 +20,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +45,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+#: Peers a sample client remembers as having delivered (the least recently delivering are forgotten).
+MAX_PROVEN = 4096
 
 
 # ---- trainer side -----------------------------------------------------------------------------------------
@@ -111,6 +118,7 @@ class SampleClient:
         self._peers: list[_Peer] = []
         self._refreshed_at = -float("inf")
         self._bad_until: dict[str, float] = {}
+        self._proven: OrderedDict[str, None] = OrderedDict()  # peers that delivered a group (bounded)
 
     def collect(
         self,
@@ -137,9 +145,7 @@ class SampleClient:
                 time.sleep(min(self.config.idle_wait, remaining))
                 failed.clear()  # nobody else: ask the failed ones again rather than nobody
                 continue
-            shares = spread_by_weight(
-                list(needed.elements()), {p.peer_id: p.tokens_per_second for p in peers}
-            )
+            shares = self._shares(list(needed.elements()), peers)
             by_id = {p.peer_id: p for p in peers}
             request_timeout = min(self.config.request_timeout, remaining)
             try:
@@ -160,6 +166,11 @@ class SampleClient:
                     if self._take(group, needed, task, n, version):
                         out.append(group)
                         delivered += 1
+                if delivered:
+                    self._proven[peer_id] = None
+                    self._proven.move_to_end(peer_id)
+                    while len(self._proven) > MAX_PROVEN:
+                        self._proven.popitem(last=False)
                 if error or delivered < len(shares[peer_id]):
                     failed.add(peer_id)
                     self._bad_until[peer_id] = time.monotonic() + self.config.retry_cooldown
@@ -208,7 +219,24 @@ class SampleClient:
             if p.peer_id not in failed and not (self.is_banned is not None and self.is_banned(p.peer_id))
         ]
         fresh = [p for p in usable if self._bad_until.get(p.peer_id, 0.0) <= now]
-        return fresh or usable
+        pool = fresh or usable
+        unproven = [p for p in pool if p.peer_id not in self._proven]
+        if len(unproven) > self.config.max_unproven_per_round:  # a Sybil's records: only a few are tried
+            unproven = random.sample(unproven, self.config.max_unproven_per_round)
+        return [p for p in pool if p.peer_id in self._proven] + unproven
+
+    def _shares(self, items: list[int], peers: list[_Peer]) -> dict[str, list[int]]:
+        """Who is asked for what: by announced speed among the peers that delivered before; a peer that never
+        did gets one prompt to show it can (all of them by speed when none has delivered yet)."""
+        proven = [p for p in peers if p.peer_id in self._proven]
+        unproven = [p for p in peers if p.peer_id not in self._proven]
+        if not proven:
+            return spread_by_weight(items, {p.peer_id: p.tokens_per_second for p in unproven})
+        explore = items[: len(unproven)] if len(items) > len(unproven) else []
+        shares = spread_by_weight(items[len(explore) :], {p.peer_id: p.tokens_per_second for p in proven})
+        for peer, item in zip(unproven, explore, strict=False):  # none explored when prompts are few
+            shares[peer.peer_id] = [item]
+        return shares
 
     def _refresh(self) -> None:
         self._refreshed_at = time.monotonic()
@@ -282,7 +310,10 @@ class SampleClient:
         stream = None
         try:
             async with asyncio.timeout(timeout):
-                await self.loop.dial(peer.peer_id, peer.maddrs, timeout=timeout / 2)
+                dial = timeout / 2
+                if peer.peer_id not in self._proven:
+                    dial = min(dial, self.config.unproven_dial_timeout)
+                await self.loop.dial(peer.peer_id, peer.maddrs, timeout=dial)
                 stub = SampleServicer.get_stub(
                     self.loop.p2p, peer_id_of(peer.peer_id), namespace=self.namespace
                 )

@@ -65,3 +65,32 @@ def test_a_sender_beyond_its_byte_or_cpu_quota_is_refused_before_its_push_is_rea
         assert messages == [] and refusal.startswith("rate_limited")
     finally:
         servicer.shutdown()
+
+
+def test_what_a_push_stream_reads_after_its_ack_is_bounded_by_the_senders_quota_and_conduct():
+    """A sender that keeps writing after its ack (the rest of a refused push) is read for at most what its
+    byte quota has left, and for only ``LINGER_FLOOR`` bytes after a protocol violation (a frame above the
+    limit): before, every push lingered over up to 16 MiB, whatever the sender had done."""
+    from echo_p2p.transport.rollout_ingest import LINGER_FLOOR
+
+    config = IngestServerConfig(sender_bytes_per_second=256 * 1024, sender_burst_seconds=4.0, ack_linger=5.0)
+    servicer = RolloutIngestServicer(lambda g: None, ReplayBuffer(8, 1), config)
+
+    def flooding() -> asyncio.StreamReader:
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"\0" * (8 << 20))  # 8 MiB written after the ack, and the stream left open
+        return reader
+
+    async def linger(sender, refusal):
+        reader = flooding()
+        await servicer._linger(sender, reader, refusal)
+        return (8 << 20) - len(reader._buffer)
+
+    try:
+        assert asyncio.run(linger("violator", "frame_too_large: a 26214400-byte frame")) == LINGER_FLOOR
+        assert asyncio.run(linger("garbage", "bad_frame: unknown frame marker")) == LINGER_FLOOR
+        read = asyncio.run(linger("honest", None))  # an accepted push: what its 1 MiB quota has left
+        assert 1 << 20 <= read < (1 << 20) + 128 * 1024, read
+        assert asyncio.run(linger("honest", "rate_limited: beyond 262144 B/s")) == LINGER_FLOOR  # in debt now
+    finally:
+        servicer.shutdown()
