@@ -91,6 +91,13 @@ class FetcherConfig(BaseModel):
         ge=0,
         description="How long a provider that served bad data, or claimed chunks it does not serve, is avoided",
     )
+    unreachable_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a provider dropped from a fetch without having delivered a chunk is skipped by "
+        "later fetches (keys are cheap: a stranger's provider records at addresses where nobody serves would "
+        "otherwise be tried again by every fetch)",
+    )
     max_missing_answers: int = Field(
         default=8,
         ge=1,

@@ -142,10 +142,13 @@ class ProviderBook:
         until = self._banned_until.get(peer_id)
         return until is not None and until > (self.clock() if now is None else now)
 
-    def ban(self, peer_id: str, now: float | None = None) -> None:
+    def ban(self, peer_id: str, now: float | None = None, seconds: float | None = None) -> None:
+        """Avoid ``peer_id`` for ``seconds`` (default ``ban_seconds``); a longer ban in force is kept."""
         now = self.clock() if now is None else now
-        self._banned_until.pop(peer_id, None)  # re-inserted last: the oldest are forgotten first
-        self._banned_until[peer_id] = now + self.ban_seconds
+        until = max(
+            now + (self.ban_seconds if seconds is None else seconds), self._banned_until.pop(peer_id, now)
+        )
+        self._banned_until[peer_id] = until  # re-inserted last: the oldest are forgotten first
         self._missing.pop(peer_id, None)
         _bound(self._banned_until, lambda until: until <= now)
 

@@ -467,6 +467,9 @@ class _FetchSession:
         if s.failures >= self.cfg.max_provider_failures and not s.dropped:
             s.dropped = True
             self.f.endpoint.forget(s.peer_id)
+            if s.rate is None:  # nothing ever came from it: a record at an address where nobody serves
+                self.f.book.ban(s.peer_id, seconds=self.cfg.unreachable_seconds)
+                self.f.stats.failures["unreachable"] += 1
             logger.info(
                 "dropping provider %s for this fetch after %d failures (%s)",
                 s.peer_id[-8:],

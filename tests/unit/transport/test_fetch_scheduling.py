@@ -73,3 +73,23 @@ def test_a_failing_peer_is_dropped_but_the_publisher_only_backs_off():
     assert s._alive() == [publisher]
     assert publisher.busy_until > 0  # retried later, not never
     assert s.f.stats.failures["timeout"] == 6
+
+
+def test_a_provider_that_never_delivered_is_skipped_by_later_fetches_for_a_while():
+    """Keys are cheap: a stranger's provider records at addresses where nobody serves cost every fetch
+    ``max_provider_failures`` failed requests each. A provider dropped without having delivered a chunk is
+    skipped for ``unreachable_seconds``; one that delivered before is only dropped for this fetch."""
+    s, _ = session(max_provider_failures=2, unreachable_seconds=60.0)
+    s.f.endpoint.forget = lambda peer_id: None
+    ghost, flaky = Source("QmGhost", []), Source("QmFlaky", [])
+    flaky.rate = 1e6  # it served chunks earlier in this fetch
+    for source in (ghost, flaky):
+        for _ in range(2):
+            s._fail(source, "timeout", TimeoutError())
+    assert ghost.dropped and flaky.dropped
+    assert s.f.book.banned("QmGhost") and not s.f.book.banned("QmFlaky")
+    assert s.f.stats.failures["unreachable"] == 1
+    now = s.f.book.clock()
+    assert not s.f.book.banned("QmGhost", now + 61.0)  # for a while, not for good
+    s.f.book.ban("QmGhost", now, seconds=1.0)  # a shorter ban never shortens one in force
+    assert s.f.book.banned("QmGhost", now + 30.0)
