@@ -59,7 +59,7 @@ class SwarmDirectory:
         self.rejected: Counter[str] = Counter()  # reason -> count, for records dropped on read
         self.read_timeouts = 0  # reads that got no answer within request_timeout (a monitor's "DHT down")
         self._warned_protocols: set[tuple[str, int]] = set()
-        self._trainer_writers: frozenset[str] | None = None  # what this node was last told (None: anyone)
+        self._trainer_writers: tuple = (None, None)  # (trainer ids, run owner) this node was last told
 
     # ---- writes -----------------------------------------------------------------------------------------
     def announce(self, record: PeerRecord, ttl: float, timeout: float | None = None) -> bool:
@@ -119,19 +119,20 @@ class SwarmDirectory:
     def follow_trust(self, trust) -> bool:
         """Tell this node who may write the trainer-only keys (``trainers``, ``policy``, ``bans``;
         ``net.trainer_writers``): the trainers ``trust`` (a ``RunTrust``) trusts now,
-        nobody while a run owner's record is still unknown, anyone when the run declares no trainers. True
+        nobody while a run owner's record is still unknown, anyone when the run declares no trainers; and
+        whose signed run records to keep (the owner's, when the run has one). True
         when the node has the set (it is only sent when it changed); False when the DHT did not answer."""
         from echo_p2p.net.trainer_writers import set_trainer_writers
 
-        allowed = trust.trusted_ids() if trust is not None else None
-        if allowed == self._trainer_writers:
+        told = (trust.trusted_ids(), trust.owner) if trust is not None else (None, None)
+        if told == self._trainer_writers:
             return True
         try:
-            set_trainer_writers(self.dht, self.keys, allowed, timeout=self.request_timeout)
+            set_trainer_writers(self.dht, self.keys, told[0], owner=told[1], timeout=self.request_timeout)
         except Exception as exc:  # a DHT process that died or did not answer: try again next time
             logger.warning("telling the DHT node the run's trainers failed: %r", exc)
             return False
-        self._trainer_writers = allowed
+        self._trainer_writers = told
         return True
 
     def providers(self) -> list[Entry[ProviderRecord]]:

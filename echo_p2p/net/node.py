@@ -77,9 +77,8 @@ def start_dht(
     validators = [RSASignatureValidator(identity.private_key)]
     validators += [schema_validator(keys) for keys in run_keys]
     validators += [rules_validator(keys) for keys in run_keys]
-    validators += [
-        TrainerWriters(trainer_keys(keys)) for keys in run_keys
-    ]  # anyone, until told (follow_trust)
+    # open until the peer tells it the run's trainers and owner (SwarmDirectory.follow_trust)
+    validators += [TrainerWriters(trainer_keys(keys), keys.run) for keys in run_keys]
     kwargs = dict(
         initial_peers=list(network.initial_peers),
         host_maddrs=list(network.host_maddrs),

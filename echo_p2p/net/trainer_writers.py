@@ -17,7 +17,10 @@ told). A record whose signing key is not among them fails validation, which hive
   parse per record. Answers from honest nodes hold only trusted trainers' records.
 When the trusted set changes (a new run record serial), ``set_trainer_writers`` updates the validator inside
 the DHT process and removes the stored and cached records of writers no longer trusted, so that an honest
-node's answers stay valid for readers that already know the new set.
+node's answers stay valid for readers that already know the new set. The same validator keeps, under the
+run's ``run`` key, only copies of a run record its owner signed and that has not expired (when the run has
+an owner): every peer reads that key on every heartbeat, and a Sybil's keys could otherwise each store one
+bogus copy there for every reader to verify.
 
 Callers: ``net.node.start_dht`` (one validator per run, open), ``SwarmDirectory.follow_trust``.
 """
@@ -44,18 +47,46 @@ class TrainerWriters:
     above ``RSASignatureValidator``'s 10), so a refused record costs no RSA verification.
     """
 
-    def __init__(self, keys: Iterable[str], allowed: Iterable[str] | None = None) -> None:
+    def __init__(self, keys: Iterable[str], run_key: str, allowed: Iterable[str] | None = None) -> None:
         from hivemind.dht.routing import DHTID
 
         self.keys = tuple(keys)
         self.key_ids = {DHTID.generate(source=key).to_bytes(): key for key in self.keys}
+        self.run_key_id = DHTID.generate(source=run_key).to_bytes()
         self.allowed: frozenset[str] | None = None if allowed is None else frozenset(allowed)
+        self.owner: tuple[str, str] | None = None  # (run id, owner peer id) whose signed run records it keeps
         self._peer_ids: OrderedDict[bytes, str | None] = OrderedDict()
+        self._verified: OrderedDict[bytes, bool] = OrderedDict()
 
     def validate(self, record) -> bool:
+        if record.key == self.run_key_id:
+            return self.owner is None or self.signed_by_owner(record.value)
         if record.key not in self.key_ids or self.allowed is None:
             return True
         return self.writer(record.subkey) in self.allowed
+
+    def signed_by_owner(self, value: bytes) -> bool:
+        """Whether a stored run record (its DHT value, writer's signature included) is one the run's owner
+        signed and that has not expired: copies of anything else are refused like untrusted writers'."""
+        if value in self._verified:
+            self._verified.move_to_end(value)
+            return self._verified[value]
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils import MSGPackSerializer
+
+        from echo_p2p.net.records import SignedRunRecord
+        from echo_p2p.net.run_record import newest_valid
+
+        try:
+            wire = MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
+            run_id, owner = self.owner
+            ok = newest_valid([SignedRunRecord.from_wire(wire)], run_id, owner)[0] is not None
+        except Exception:
+            ok = False
+        self._verified[value] = ok
+        if len(self._verified) > PEER_ID_CACHE:
+            self._verified.popitem(last=False)
+        return ok
 
     def writer(self, subkey_bytes: bytes) -> str | None:
         """Peer id of the key in a msgpack'd ``[owner:...]`` subkey (None when it is not one)."""
@@ -94,16 +125,22 @@ def trainer_keys(keys) -> tuple[str, ...]:
     return (keys.trainers, keys.policy, keys.bans)
 
 
-def set_trainer_writers(dht, keys, allowed: Iterable[str] | None, timeout: float = 10.0) -> int:
+def set_trainer_writers(
+    dht, keys, allowed: Iterable[str] | None, owner: str | None = None, timeout: float = 10.0
+) -> int:
     """Set who may write the trainer-only keys of run ``keys`` (``SwarmKeys``) on the node of ``dht`` (a running
-    ``hivemind.DHT``) and remove what others wrote there from its storage and cache; returns how many records
-    were removed. Raises ``TimeoutError`` past ``timeout`` (the DHT process did not answer)."""
+    ``hivemind.DHT``), and whose signed run records its ``run`` key keeps (``owner``'s peer id; None: any),
+    and remove what breaks that from its storage and cache; returns how many records were removed. Raises
+    ``TimeoutError`` past ``timeout`` (the DHT process did not answer)."""
     peer_ids = None if allowed is None else sorted(set(allowed))
-    coroutine = partial(_apply, first_key=trainer_keys(keys)[0], peer_ids=peer_ids)
+    run_owner = None if owner is None else (keys.run_id, owner)
+    coroutine = partial(_apply, first_key=trainer_keys(keys)[0], peer_ids=peer_ids, owner=run_owner)
     return int(dht.run_coroutine(coroutine, return_future=True).result(timeout=timeout))
 
 
-async def _apply(_dht, node, first_key: str, peer_ids: list[str] | None) -> int:
+async def _apply(
+    _dht, node, first_key: str, peer_ids: list[str] | None, owner: tuple[str, str] | None
+) -> int:
     """Runs inside the DHT process (``DHT.run_coroutine``)."""
     from hivemind.dht.routing import DHTID
     from hivemind.utils import MSGPackSerializer
@@ -114,21 +151,28 @@ async def _apply(_dht, node, first_key: str, peer_ids: list[str] | None) -> int:
         return 0
     validator = mine[0]
     validator.allowed = None if peer_ids is None else frozenset(peer_ids)
-    if validator.allowed is None:
-        return 0
+    validator.owner = owner
     removed = 0
-    for key_id in validator.key_ids:
+    for key_id in (*validator.key_ids, validator.run_key_id):
         for storage in (node.protocol.storage, node.protocol.cache):
             found = storage.get(DHTID.from_bytes(key_id))
             value = found.value if found is not None else None
             if value is None or not hasattr(value, "items"):
                 continue
             with value.freeze():
-                subkeys = [subkey for subkey, _ in value.items()]
-            for subkey in subkeys:
-                if validator.writer(MSGPackSerializer.dumps(subkey)) not in validator.allowed:
+                items = [(subkey, item.value, item.expiration_time) for subkey, item in value.items()]
+            for subkey, item_value, expiration_time in items:
+                record = _Record(key_id, MSGPackSerializer.dumps(subkey), item_value, expiration_time)
+                if not validator.validate(record):
                     del value[subkey]
                     removed += 1
     if removed:
         logger.info("removed %d record(s) of writers the run does not trust under %s", removed, first_key)
     return removed
+
+
+class _Record:
+    """The fields of hivemind's ``DHTRecord`` that ``TrainerWriters.validate`` reads."""
+
+    def __init__(self, key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> None:
+        self.key, self.subkey, self.value, self.expiration_time = key, subkey, value, expiration_time

@@ -249,3 +249,43 @@ def test_only_the_runs_trainers_write_the_trainers_key(swarm):
     # an inference record cannot stand in for a trainer's, nor a trainer's for an inference peer's
     assert not boot_dir._store(keys.peers, PeerRecord(peer_id=boot_dir.identity.peer_id, role="trainer"), 60)
     assert reader_dir.peers() == []
+
+
+def test_only_copies_of_the_owners_run_record_are_kept(swarm, tmp_path):
+    """Every peer reads the run key on every heartbeat: a node told the run's owner keeps only copies of a run
+    record that key signed, so a Sybil cannot make each of its keys store a bogus copy for every reader to
+    verify (it keeps a rogue's copy out of the readers' answers too)."""
+    from functools import partial
+
+    from echo_p2p.net.records import SignedRunRecord
+    from echo_p2p.net.run_record import read_file
+    from echo_p2p.transport.trust import RunTrust
+    from tests.conftest import write_run_record
+
+    keys, honest, started = swarm
+    boot, _, boot_dir = honest()
+    _, keeper, keeper_dir = honest(maddrs(boot))
+    _, stranger, stranger_dir = honest(maddrs(boot))
+    _, _, reader_dir = honest(maddrs(boot))
+    owner = load_or_create_identity(None)
+
+    def signed(path, ident, owner_ident) -> SignedRunRecord:
+        _, record, signature = read_file(write_run_record(path, keys.run_id, owner_ident, [keeper.peer_id]))
+        return SignedRunRecord(peer_id=ident.peer_id, record=record, signature=signature)
+
+    good = signed(tmp_path / "good.record", keeper, owner)
+    forged = signed(tmp_path / "forged.record", stranger, stranger)  # a valid record of another "owner"
+    trust = RunTrust(owner=owner.peer_id, run_id=keys.run_id)
+    assert trust.update([good])
+    assert stranger_dir.announce_run_record(forged, ttl=60)  # while the nodes are open: it lands
+    stored = partial(_stored_trainer_writers, key=keys.run)
+    assert stranger.peer_id in boot.run_coroutine(stored)
+    for directory in (boot_dir, reader_dir):
+        assert directory.follow_trust(trust)
+    assert boot.run_coroutine(stored) == []  # removed once the node knew the owner
+    assert keeper_dir.announce_run_record(good, ttl=60)
+    stranger_dir.announce_run_record(forged, ttl=60)  # kept by its own node only
+    assert boot.run_coroutine(stored) == [keeper.peer_id]
+    for _ in range(3):
+        assert [e.record.peer_id for e in reader_dir.run_records()] == [keeper.peer_id]
+    owner.cleanup()
