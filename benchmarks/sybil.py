@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> None:
     for dht, ident in ((boot, boot_id), (reader, reader_id)):
         assert SwarmDirectory(dht, keys, ident).follow_trust(trust)
     trainer_record = PeerRecord(peer_id=trainer_id.peer_id, role="trainer").to_wire()
-    assert boot.run_coroutine(SignedStore(keys.trainers, trainer_id.private_key, trainer_record))
     rows = []
     stored = 0
     keygen = []
@@ -69,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
                 as_trainer = PeerRecord(peer_id=ident.peer_id, role="trainer").to_wire()
                 writer.run_coroutine(SignedStore(keys.trainers, ident.private_key, as_trainer))
                 ident.cleanup()
+            assert boot.run_coroutine(
+                SignedStore(keys.trainers, trainer_id.private_key, trainer_record)
+            )  # alive
             times, counts = [], []
             for _ in range(args.reads):
                 t0 = time.perf_counter()
