@@ -5,11 +5,17 @@ failed and the version froze for good; valid-looking groups with log-probs at th
 accepts were trained on. Now: the -1e30 group is refused at ingest (``bad_logprob``), groups whose
 log-probs are far from the trainer's are left out of the loss and make strikes, the stranger is banned
 after three, its pushes are refused unread and its buffered groups dropped, and the run keeps learning.
+
+The run and the attack last until the trainer's metrics show all of that (bounded waits), not a fixed time:
+on a busy machine a fixed one could end before the trainer took its first push. The run is then stopped as
+a terminal's Ctrl-C does (SIGINT to its process group), which must stop every process it started: the same
+swarm checks the launcher's stop, which needs a run of its own otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -24,18 +30,28 @@ pytestmark = pytest.mark.timeout(300)
 ATTACKER = Path(__file__).resolve().parents[2] / "benchmarks" / "attacker.py"
 
 
-def test_a_poisoning_stranger_is_refused_then_banned_and_the_run_keeps_learning(tmp_path):
+def trainer_lines(metrics: Path) -> list[dict]:
+    return [x for p in metrics.glob("trainer-*.jsonl") for x in read_metrics(str(p))]
+
+
+def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_ctrl_c_stops_it(tmp_path):
+    import psutil
+
     from echo_p2p.net.run_record import read_file
+    from echo_p2p.report import Runs, summarize
 
     workdir = tmp_path / "run"
+    metrics = workdir / "metrics"
+    # --duration and the attacker's are deadlines: both are stopped once the trainer has seen it all
     local = subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.local", "--duration", "40", "--status-period", "30"]
+        [sys.executable, "-m", "echo_p2p.local", "--duration", "180", "--status-period", "30"]
         + ["--workdir", str(workdir)],
         stdout=open(tmp_path / "local.log", "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     attacker = None
+    started: list[psutil.Process] = []
     report = tmp_path / "attacker.json"
     try:
         wait_until(
@@ -44,14 +60,36 @@ def test_a_poisoning_stranger_is_refused_then_banned_and_the_run_keeps_learning(
         record, _, _ = read_file(workdir / "run-record.bin")
         join = f"{record.run_id}:{record.owner_peer_id()}@{(workdir / 'bootstrap.maddrs').read_text().split()[0]}"
         attacker = subprocess.Popen(
-            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "30"]
+            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "170"]
             + ["--report", str(report)],
             stdout=open(tmp_path / "attacker.log", "wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        assert local.wait(timeout=240) == 0, (tmp_path / "local.log").read_text()[-3000:]
+
+        def banned_and_learning() -> bool:
+            for name, proc in (("local", local), ("attacker", attacker)):
+                assert proc.poll() is None, (
+                    f"{name} exited: " + (tmp_path / f"{name}.log").read_text()[-3000:]
+                )
+            judged = [x for x in trainer_lines(metrics) if "senders" in x]
+            if not judged or judged[-1]["senders"]["banned"] < 1:
+                return False
+            if (judged[-1].get("rejected") or {}).get("banned", 0) < 1:
+                return False  # no push refused for the ban yet: the attacker has not been told
+            summary = summarize(Runs.load(metrics))  # what summary.json will say; twice the reward margin
+            return summary.steps >= 20 and summary.reward_final > summary.reward_first + 0.1
+
+        wait_until(banned_and_learning, 170, 1, "the ban and 20 steps of a rising reward")
+        attacker.send_signal(signal.SIGTERM)  # it writes its report, then exits
         assert attacker.wait(timeout=60) == 0, (tmp_path / "attacker.log").read_text()[-3000:]
+        # Ctrl-C: every process the run started stops (the ctrl-c checks of the local launcher)
+        started = psutil.Process(local.pid).children(recursive=True)  # with the peers' DHT children, p2pd
+        names = [" ".join(p.cmdline()[1:6]) for p in psutil.Process(local.pid).children()]
+        assert any("echo_p2p.bootstrap" in n for n in names) and any("--role trainer" in n for n in names)
+        assert sum("--role inference" in n for n in names) == 2, names
+        os.killpg(local.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
+        assert local.wait(timeout=90) == 0, (tmp_path / "local.log").read_text()[-3000:]
     finally:
         for proc in (attacker, local):
             if proc is not None and proc.poll() is None:
@@ -59,9 +97,17 @@ def test_a_poisoning_stranger_is_refused_then_banned_and_the_run_keeps_learning(
                 try:
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
-                    import os
-
                     os.killpg(proc.pid, signal.SIGKILL)
+        for child in started:
+            try:  # the swarm's peers run in sessions of their own: stop what is left of each, by its group
+                if child.is_running() and child.pid == os.getpgid(child.pid):
+                    os.killpg(child.pid, signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                pass
+    out = (tmp_path / "local.log").read_text()
+    assert f"stopped 4 processes; logs and metrics in {workdir}" in out and "summary:" in out, out[-2000:]
+    gone, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, f"Ctrl-C left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
     seen = json.loads(report.read_text())["seen"]
     assert seen.get("bad_logprob", 0) >= 1, seen  # the -1e30 group: refused at ingest
     assert seen.get("banned", 0) >= 1, seen  # then banned: its pushes refused unread
