@@ -128,7 +128,7 @@ class Attacker:
     # ---- attacks on the trainers' ingest ---------------------------------------------------------------
     def _push_attack(self, attack: str) -> dict:
         from echo_p2p.transport.p2p_loop import P2PLoop
-        from echo_p2p.transport.rollout_config import rollout_namespace
+        from echo_p2p.transport.rollouts.config import rollout_namespace
 
         loop = P2PLoop.from_dht(self.dht)
         namespace = rollout_namespace(self.keys)
@@ -208,8 +208,8 @@ class Attacker:
 
         from echo_p2p.proto import rollouts_pb2
         from echo_p2p.transport.p2p_loop import peer_id_of
-        from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
-        from echo_p2p.transport.rollout_push import push_payloads
+        from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
+        from echo_p2p.transport.rollouts.push import push_payloads
 
         await loop.dial(record.peer_id, record.maddrs, timeout=5)
         if payload == "oversized":

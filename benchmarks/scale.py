@@ -154,9 +154,9 @@ def replay_main(argv: list[str]) -> None:
     from echo_p2p.roles.base import BasePeer
     from echo_p2p.rollout import RolloutGroup
     from echo_p2p.transport.p2p_loop import P2PLoop
-    from echo_p2p.transport.rollout_config import PusherConfig, rollout_namespace
-    from echo_p2p.transport.rollout_ingest import Status
-    from echo_p2p.transport.rollout_push import RolloutPusher
+    from echo_p2p.transport.rollouts.config import PusherConfig, rollout_namespace
+    from echo_p2p.transport.rollouts.ingest import Status
+    from echo_p2p.transport.rollouts.push import RolloutPusher
 
     class LoggingPusher(RolloutPusher):
         """The real pusher; also logs every push (latency, verdicts, the version the ack carries)."""

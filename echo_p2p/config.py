@@ -26,7 +26,7 @@ from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.reputation import ReputationConfig
 from echo_p2p.train.trackers import ReportConfig
 from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
-from echo_p2p.transport.rollout_config import (
+from echo_p2p.transport.rollouts.config import (
     IngestServerConfig,
     PusherConfig,
     SampleClientConfig,

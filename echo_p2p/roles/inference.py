@@ -53,7 +53,7 @@ class InferencePeer(BasePeer):
         from echo_p2p.ml.models import load_policy
         from echo_p2p.tasks import build_task
         from echo_p2p.transport.p2p_loop import P2PLoop
-        from echo_p2p.transport.rollout_config import rollout_namespace
+        from echo_p2p.transport.rollouts.config import rollout_namespace
         from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 
         run, section = self.config.run, self.section
@@ -94,7 +94,7 @@ class InferencePeer(BasePeer):
         self.loop = P2PLoop.from_dht(self.dht)
         namespace = rollout_namespace(self.keys)
         if self.config.mode == "async":
-            from echo_p2p.transport.rollout_push import RolloutPusher
+            from echo_p2p.transport.rollouts.push import RolloutPusher
 
             self.pusher = RolloutPusher(
                 self.loop, self.directory, section.pusher, namespace, is_trusted=self.trust.is_trusted
@@ -103,7 +103,7 @@ class InferencePeer(BasePeer):
             self.pusher.start()
             self.fetcher.follow(on_update=self._load)
         else:
-            from echo_p2p.transport.rollout_pull import SampleServicer
+            from echo_p2p.transport.rollouts.pull import SampleServicer
 
             self.sample_server = SampleServicer(
                 {self.task.name: self.task},

@@ -79,7 +79,7 @@ class TrainerPeer(BasePeer):
         from echo_p2p.train.learner import Learner
         from echo_p2p.transport.collab_optimizer import CollabTrainerStep, make_collab_optimizer
         from echo_p2p.transport.p2p_loop import P2PLoop
-        from echo_p2p.transport.rollout_config import rollout_namespace
+        from echo_p2p.transport.rollouts.config import rollout_namespace
         from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 
         run, section = self.config.run, self.section
@@ -159,8 +159,8 @@ class TrainerPeer(BasePeer):
         if self.config.mode == "async":
             from echo_p2p.roles.trainer_intake import AsyncIntake, open_journal
             from echo_p2p.rollout import RolloutGroup
-            from echo_p2p.transport.rollout_config import PusherConfig
-            from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
+            from echo_p2p.transport.rollouts.config import PusherConfig
+            from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
 
             capacity = section.buffer_capacity or recommended_capacity(
                 section.prompts_per_step,
@@ -192,7 +192,7 @@ class TrainerPeer(BasePeer):
             self.free_buffer_room = self.buffer.free_room()
         else:
             from echo_p2p.roles.trainer_intake import SyncIntake
-            from echo_p2p.transport.rollout_pull import SampleClient
+            from echo_p2p.transport.rollouts.pull import SampleClient
 
             self.buffer = None
             self.guard = SenderGuard(section.reputation, self.peer_id, None, self.trust)

@@ -1,7 +1,7 @@
 """Where a trainer's batches come from, in either mode.
 
 Owned here: ``SyncIntake`` — pick the step's prompts, ask inference peers to sample them at the trainer's
-policy version (``transport.rollout_pull.SampleClient``), validate every group as it arrives and count the
+policy version (``transport.rollouts.pull.SampleClient``), validate every group as it arrives and count the
 refusals — and ``AsyncIntake`` — batches from the replay buffer that the ingest servicer fills, and the
 journal of acknowledged groups (``train.journal``): a group is settled once a version it was used for is
 reached, and a trainer restarted with ``--resume`` puts the unsettled ones back in its buffer.

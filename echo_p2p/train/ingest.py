@@ -5,7 +5,7 @@ reasons, also the names of the per-sender counters and the strings sent back to 
 ``IngestValidator``, which checks schema, sizes, token ranges, log-probs, versions and the prompt (rebuilt
 from its id), then re-scores every completion with the task's own verifier: the claimed reward is never
 trusted, it is only compared with the re-score to catch forgers. Called by the trainer peer, through the
-rollout transport (``echo_p2p.transport.rollout_ingest`` async, ``rollout_pull`` sync).
+rollout transport (``echo_p2p.transport.rollouts.ingest`` async, ``rollouts.pull`` sync).
 Must not import hivemind or torch, and must never raise on bad input: every problem is a ``Rejection``.
 """
 

@@ -2,9 +2,9 @@
 
 - ``weights`` (a sub-package: ``publisher``, ``fetcher``, ``service``, ...) and ``trust``: policy versions
   from trainers to inference peers, peer-assisted, accepted only from trusted trainers.
-- ``rollout_push`` (inference side) / ``rollout_ingest`` (trainer side) for async mode, ``rollout_pull``
-  (trainer side) / ``rollout_sample`` (inference side) for sync mode, ``rollout_config``: rollouts from
-  inference peers to trainers.
+- ``rollouts`` (a sub-package: ``push`` / ``ingest`` for async mode, ``pull`` / ``sample`` for sync mode,
+  ``config``): rollouts from inference peers to trainers; ``quota``: the per-sender token buckets of ingest.
+- ``streams``: server-streaming RPCs that keep their stream until the caller closes (weights and rollouts).
 - ``p2p_loop``: the one event loop both transports run on.
 - ``collab_optimizer``: gradient aggregation across trainers with ``hivemind.Optimizer``.
 

@@ -5,7 +5,7 @@ endpoint and the rollout transport each run one over the same p2pd), running cor
 synchronous threads with a deadline, dialing peers at their announced addresses, and ``peer_id_of``.
 Threading model: the peers' own threads (sampling, training) call synchronous APIs; the networking runs in
 the loop thread; servicers hand every blocking call to worker threads so that the loop stays responsive.
-Callers: ``weights.service``, ``rollout_ingest``, ``rollout_push``, ``rollout_pull``, ``rollout_sample``, the peers, tests. Must not import torch.
+Callers: ``weights.service``, ``rollouts.ingest``, ``rollouts.push``, ``rollouts.pull``, ``rollouts.sample``, the peers, tests. Must not import torch.
 """
 
 from __future__ import annotations

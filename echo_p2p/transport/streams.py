@@ -3,8 +3,8 @@
 Owned here: ``LingeringServicer``, a hivemind ``ServicerBase`` whose server-streaming ``rpc_*`` methods
 (one request in, a stream of responses out) are served by ``serve_lingering`` instead of hivemind's own
 handler; every other method is registered by hivemind as usual. Callers: ``weights.service.WeightsServicer``
-(``rpc_get_chunks``), ``rollout_sample.SampleServicer`` (``rpc_sample``); the push RPC's own handler
-(``rollout_ingest``) follows the same rule.
+(``rpc_get_chunks``), ``rollouts.sample.SampleServicer`` (``rpc_sample``); the push RPC's own handler
+(``rollouts.ingest``) follows the same rule.
 
 Why: p2pd pipes each libp2p stream to a local socket. When the side that *sends* the last bytes closes its
 socket first, while the other side's end is still open, the daemon closes the libp2p stream for reading

@@ -22,16 +22,16 @@ from echo_p2p.tasks import build_task
 from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.train.ingest import IngestConfig, IngestValidator
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollout_config import IngestServerConfig, PusherConfig, rollout_namespace
-from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
-from echo_p2p.transport.rollout_pull import (
+from echo_p2p.transport.rollouts.config import IngestServerConfig, PusherConfig, rollout_namespace
+from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
+from echo_p2p.transport.rollouts.pull import (
     SampleClient,
     SampleClientConfig,
     SampleServerConfig,
     SampleServicer,
     spread_by_weight,
 )
-from echo_p2p.transport.rollout_push import RolloutPusher, push_payloads
+from echo_p2p.transport.rollouts.push import RolloutPusher, push_payloads
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(90)

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
-from echo_p2p.transport.rollout_config import SampleServerConfig
-from echo_p2p.transport.rollout_sample import SampleError, SampleServicer
+from echo_p2p.transport.rollouts.config import SampleServerConfig
+from echo_p2p.transport.rollouts.sample import SampleError, SampleServicer
 from tests.unit.fuzz.fuzzing import FUZZ, context, run
 from tests.unit.transport.test_sample_servicer import HELD, TASK, Engine
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from echo_p2p.proto import rollouts_pb2
-from echo_p2p.transport.rollout_config import PusherConfig
-from echo_p2p.transport.rollout_push import RolloutPusher, _Trainer
+from echo_p2p.transport.rollouts.config import PusherConfig
+from echo_p2p.transport.rollouts.push import RolloutPusher, _Trainer
 
 
 def test_backoff_starts_short_doubles_and_is_capped():
@@ -21,7 +21,7 @@ def test_an_ack_resets_the_failure_count():
 
 def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(monkeypatch):
     from echo_p2p.rollout import Completion, RolloutGroup
-    from echo_p2p.transport.rollout_push import Reason, Status, _Item
+    from echo_p2p.transport.rollouts.push import Reason, Status, _Item
 
     pusher = RolloutPusher(loop=None, directory=None, config=PusherConfig(full_recheck=0.2))
     trainer = _Trainer("QmTrainer", [], room=5, stamp=0.0)
@@ -41,7 +41,7 @@ def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(mon
         rollout_id=group.rollout_id, status=Status.REJECTED, reason=Reason.BUFFER_FULL.value
     )
     now = [1000.0]
-    monkeypatch.setattr("echo_p2p.transport.rollout_push.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("echo_p2p.transport.rollouts.push.time.monotonic", lambda: now[0])
     assert pusher._settle(trainer, [item], rollouts_pb2.PushAck(acks=[full], free_room=0)) == [item]
     assert trainer.room == 0
     assert pusher._choose() is None  # just said full
@@ -65,7 +65,7 @@ def _group(version: int):
 
 
 def test_acks_report_the_trainer_version_and_too_stale_refusals_raise_the_stale_floor():
-    from echo_p2p.transport.rollout_push import Reason, Status, _Item
+    from echo_p2p.transport.rollouts.push import Reason, Status, _Item
 
     pusher = RolloutPusher(loop=None, directory=None)
     seen: list[int] = []

@@ -9,8 +9,8 @@ from hivemind.p2p import P2P
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.transport.quota import PeerQuotas, TokenBucket
-from echo_p2p.transport.rollout_config import IngestServerConfig
-from echo_p2p.transport.rollout_ingest import RolloutIngestServicer
+from echo_p2p.transport.rollouts.config import IngestServerConfig
+from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
 
 
 def test_token_bucket_refills_at_its_rate_caps_at_its_burst_and_carries_debt():
@@ -71,7 +71,7 @@ def test_what_a_push_stream_reads_after_its_ack_is_bounded_by_the_senders_quota_
     """A sender that keeps writing after its ack (the rest of a refused push) is read for at most what its
     byte quota has left, and for only ``LINGER_FLOOR`` bytes after a protocol violation (a frame above the
     limit): before, every push lingered over up to 16 MiB, whatever the sender had done."""
-    from echo_p2p.transport.rollout_ingest import LINGER_FLOOR
+    from echo_p2p.transport.rollouts.ingest import LINGER_FLOOR
 
     config = IngestServerConfig(sender_bytes_per_second=256 * 1024, sender_burst_seconds=4.0, ack_linger=5.0)
     servicer = RolloutIngestServicer(lambda g: None, ReplayBuffer(8, 1), config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from echo_p2p.net.records import PeerRecord
-from echo_p2p.transport.rollout_pull import SampleClient, SampleClientConfig
+from echo_p2p.transport.rollouts.pull import SampleClient, SampleClientConfig
 
 
 def sampler(peer_id: str, tps: float) -> SimpleNamespace:

@@ -13,7 +13,7 @@ sender below its share (capacity / (active senders + 1)) at the expense of one a
 accepted is acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. After
 the ack the stream stays open until the sender closes it (``_linger``: a stream closed first by its
 receiver can be reset, and the reset can overtake the ack). Never raises.
-The sending side is ``rollout_push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
+The sending side is ``rollouts.push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
 work never runs in the loop.
 """
 
@@ -37,7 +37,7 @@ from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.buffer import AddResult, ReplayBuffer, ScoredGroup
 from echo_p2p.train.ingest import Reason, Rejection
 from echo_p2p.transport.quota import PeerQuotas
-from echo_p2p.transport.rollout_config import IngestServerConfig
+from echo_p2p.transport.rollouts.config import IngestServerConfig
 from echo_p2p.transport.streams import until_closed
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class RolloutIngestServicer(ServicerBase):
         Why: p2pd pipes each stream to a local socket, and when that socket is closed while the sender's data
         is unread or its side is still open, the daemon may *reset* the stream; a reset arriving at the
         sender's daemon before the sender read the ack discards the ack (the push then looks failed, its groups
-        are resent). A sender that closes first, once it has the ack (``rollout_push.push_payloads``), never
+        are resent). A sender that closes first, once it has the ack (``rollouts.push.push_payloads``), never
         loses one. hivemind's generic stub waits for the trainer to close: it gets its ack ``ack_linger`` later.
         """
         limit = LINGER_FLOOR

@@ -6,7 +6,7 @@ buffer room, keeps every group until a trainer acknowledges it, and resends it t
 error or a timeout (that trainer is skipped for a growing back-off). A trainer that answered ``buffer_full``
 is probed again after ``full_recheck``. Acks report the trainer's policy version (``trainer_version``,
 ``on_trainer_version``) and too-stale refusals raise ``stale_floor``, so the peer can stop sampling with a
-version nobody accepts. The receiving side is ``rollout_ingest.RolloutIngestServicer``.
+version nobody accepts. The receiving side is ``rollouts.ingest.RolloutIngestServicer``.
 Delivery is at-least-once: a trainer that dies before acking costs a resend; trainers de-duplicate by id.
 Caller: the inference peer. Must not import torch; blocking work never runs in the loop.
 """
@@ -29,8 +29,8 @@ from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, Reason
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollout_config import PusherConfig
-from echo_p2p.transport.rollout_ingest import DELIVERED, RolloutIngestServicer, Status
+from echo_p2p.transport.rollouts.config import PusherConfig
+from echo_p2p.transport.rollouts.ingest import DELIVERED, RolloutIngestServicer, Status
 
 logger = logging.getLogger(__name__)
 

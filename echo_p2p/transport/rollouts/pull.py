@@ -10,7 +10,7 @@ keys are cheap, and a stranger's records of fast samplers at addresses where nob
 get most prompts of every round and hold each round for a dial timeout. It
 checks that what came back is what was asked (task, prompt, version, group
 size); the trainer then validates it like any rollout (``ingest``). The inference side, ``SampleServicer``
-and ``SampleError``, is ``rollout_sample`` (re-exported here). Callers: the trainer and inference peers in
+and ``SampleError``, is ``rollouts.sample`` (re-exported here). Callers: the trainer and inference peers in
 sync mode. Must not import torch.
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollout_config import SampleClientConfig, SampleServerConfig  # re-exported
-from echo_p2p.transport.rollout_sample import SampleError, SampleFn, SampleServicer  # re-exported
+from echo_p2p.transport.rollouts.config import SampleClientConfig, SampleServerConfig  # re-exported
+from echo_p2p.transport.rollouts.sample import SampleError, SampleFn, SampleServicer  # re-exported
 
 __all__ = [
     "SampleClient",

@@ -1,7 +1,7 @@
 """Configs and the RPC namespace of the rollout transport (push ingest and sync pull), free of torch and hivemind.
 
 The CLIs validate every config before anything heavy starts, so these classes live apart from the
-servicers that use them (``rollout_ingest.py``, ``rollout_push.py``, ``rollout_pull.py``, ``rollout_sample.py``).
+servicers that use them (``rollouts/ingest.py``, ``rollouts/push.py``, ``rollouts/pull.py``, ``rollouts/sample.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ does the request take one of the ``max_concurrent`` sampling slots (injected ``s
 ``SampleResponse`` per group. Each requester has at most one request in progress; at most
 ``max_concurrent + max_waiting`` are in progress in all. A bad request gets one response with a reason
 (``SampleError``), is counted, and the peer keeps serving. Never raises. Callers: the inference peer
-(``roles/inference.py``), via ``rollout_pull`` (which re-exports these names). Must not import torch;
+(``roles/inference.py``), via ``rollouts.pull`` (which re-exports these names). Must not import torch;
 blocking calls run in worker threads, never in the event loop.
 """
 
@@ -32,7 +32,7 @@ from hivemind.p2p import P2PContext
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.tasks.base import Task, TaskError
-from echo_p2p.transport.rollout_config import SampleServerConfig
+from echo_p2p.transport.rollouts.config import SampleServerConfig
 from echo_p2p.transport.streams import LingeringServicer
 
 logger = logging.getLogger(__name__)
