@@ -13,10 +13,11 @@ joins the run's DHT from its join address, finds the trainers in the directory a
 * ``heavy``: pushes groups of 3.1 M token ids each (parse-heavy groups);
 * ``flood``: a DHT node without echo_p2p's rules that stores 1,500 peer records under one key (its own
   subkeys) expiring in 10^6 s, over and over (the directory flood);
-* ``ghost``: stores one ``role: trainer`` record under a key whose peer id sorts below every trainer's,
+* ``ghost``: stores one ``role: trainer`` record under a key (ground beforehand with ``--key-dir``) whose peer
+  id sorts below every trainer's,
   expiring as late as the DHT lets it, and leaves at once (the ghost trainer);
-* ``sybil``: makes as many keys as it can (one every ~0.1 s) and, from its own DHT node (which keeps and serves
-  what it stores), has each one announce an inference peer, a trainer accepting rollouts and a weight
+* ``sybil``: with keys made beforehand (``--key-dir``; without it, as many as it can make, one every ~0.1 s)
+  and from its own DHT node (which keeps and serves what it stores), has each one announce an inference peer, a trainer accepting rollouts and a weight
   provider claiming what the best real provider holds, all at addresses where nobody answers; re-stored
   every 60 s;
 * ``tarpit``: a DHT node that joins the run, then never answers another request (its event loop is stuck,
@@ -239,8 +240,9 @@ class Attacker:
         from echo_p2p.net.records import MAX_RECORD_TTL, PeerRecord
 
         lowest = min((t.peer_id for t in trainers(self.directory)), default="Qm")
-        for _ in range(500):
-            ghost = load_or_create_identity(None)
+        made = sorted(Path(self.args.key_dir).glob("*.id")) if self.args.key_dir else []
+        for i in range(max(500, len(made))):  # keys made beforehand first, as a real attacker's would be
+            ghost = load_or_create_identity(str(made[i]) if i < len(made) else None)
             if ghost.peer_id < lowest:
                 break
             ghost.cleanup()
@@ -254,48 +256,51 @@ class Attacker:
         return dict(self.seen)
 
     def _sybil(self) -> dict:
-        from sybil import SignedStore
-
         from echo_p2p.net.identity import load_or_create_identity
-        from echo_p2p.net.records import PeerRecord, ProviderRecord
 
         deadline = time.monotonic() + self.args.duration
-        nowhere = ["/ip4/127.0.0.1/tcp/9/p2p/"]  # the discard port: nobody answers there
+        made = sorted(Path(self.args.key_dir).glob("*.id")) if self.args.key_dir else []
         keys: list = []
         refreshed = time.monotonic()
         while not self.stop.is_set() and time.monotonic() < deadline:
-            real = [e.record for e in self.directory.providers()]  # the attractive claims to copy
-            best = max(real, key=lambda r: max(r.versions, default=-1), default=None)
-            claims = (
-                best.model_dump(include={"versions", "encodings", "stream_id", "manifests"}) if best else {}
-            )
-            ident = load_or_create_identity(None)
-            keys.append(ident)
-            batch = keys if time.monotonic() - refreshed > 60 else [ident]
-            if len(batch) > 1:
+            if time.monotonic() - refreshed > 60:  # every record alive: stored again
                 refreshed = time.monotonic()
-            for key in batch:
-                maddrs = [nowhere[0] + key.peer_id]
-                records = (
-                    (self.keys.peers, PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs)),
-                    (
-                        self.keys.trainers,
-                        PeerRecord(peer_id=key.peer_id, role="trainer", maddrs=maddrs, accepts_rollouts=True),
-                    ),
-                    (self.keys.providers, ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims)),
-                )
-                for dht_key, record in records:
-                    try:
-                        stored = self.dht.run_coroutine(
-                            SignedStore(dht_key, key.private_key, record.to_wire())
-                        )
-                    except Exception:
-                        stored = False
-                    self.seen[f"{dht_key.rsplit('/', 1)[-1]}_{'stored' if stored else 'refused'}"] += 1
+                for key in keys:
+                    self._sybil_store(key)
+            if made and len(keys) >= len(made):  # only the keys made beforehand (on "its own machine")
+                self.stop.wait(1.0)
+                continue
+            keys.append(load_or_create_identity(str(made[len(keys)]) if made else None))
+            self._sybil_store(keys[-1])
         self.seen["keys"] = len(keys)
         for key in keys:
             key.cleanup()
         return dict(self.seen)
+
+    def _sybil_store(self, key) -> None:
+        """One Sybil key's three records, at an address where nobody answers (the discard port)."""
+        from sybil import SignedStore
+
+        from echo_p2p.net.records import PeerRecord, ProviderRecord
+
+        real = [e.record for e in self.directory.providers(max_age=10.0)]  # the attractive claims to copy
+        best = max(real, key=lambda r: max(r.versions, default=-1), default=None)
+        claims = best.model_dump(include={"versions", "encodings", "stream_id", "manifests"}) if best else {}
+        maddrs = [f"/ip4/127.0.0.1/tcp/9/p2p/{key.peer_id}"]
+        records = (
+            (self.keys.peers, PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs)),
+            (
+                self.keys.trainers,
+                PeerRecord(peer_id=key.peer_id, role="trainer", maddrs=maddrs, accepts_rollouts=True),
+            ),
+            (self.keys.providers, ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims)),
+        )
+        for dht_key, record in records:
+            try:
+                stored = self.dht.run_coroutine(SignedStore(dht_key, key.private_key, record.to_wire()))
+            except Exception:
+                stored = False
+            self.seen[f"{dht_key.rsplit('/', 1)[-1]}_{'stored' if stored else 'refused'}"] += 1
 
     def _tarpit(self) -> dict:
         import hivemind
@@ -354,6 +359,15 @@ class Attacker:
         return dict(self.seen)
 
 
+def make_keys(key_dir: Path, count: int) -> None:
+    """Identity files for the sybil attack, made before the run (``--key-dir``)."""
+    from echo_p2p.net.identity import load_or_create_identity
+
+    key_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        load_or_create_identity(str(key_dir / f"{i:05d}.id"))
+
+
 class _Stuck:
     """Runs in the tarpit's DHT process: blocks its event loop, so that no request is ever answered."""
 
@@ -378,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="write what the attacker saw here (JSON)")
+    p.add_argument(
+        "--key-dir",
+        default=None,
+        help="sybil: identity files made beforehand (make_keys), used before any new key is made: a real "
+        "attacker makes its keys on its own machine, not on the run's cores",
+    )
     args = p.parse_args(argv)
     attacker = Attacker(args)
     signal.signal(signal.SIGTERM, lambda *_: attacker.stop.set())

@@ -36,6 +36,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+#: Keys the sybil attacker gets before its arm starts (it makes more, on the run's cores, if it needs them).
+SYBIL_KEYS = 300
 ARMS = ("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit")
 
 
@@ -67,6 +69,12 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
 
     name = f"{index}-{arm}"
     workdir = workroot / name
+    key_dir = workroot / f"{name}-keys"
+    if arm in ("sybil", "ghost"):  # its keys are made on its own machine: here, before the run starts
+        sys.path.insert(0, str(HERE))
+        from attacker import make_keys
+
+        make_keys(key_dir, SYBIL_KEYS)
     local = subprocess.Popen(
         [sys.executable, "-m", "echo_p2p.local", "--duration", str(duration), "--workdir", str(workdir)],
         cwd=str(ROOT),
@@ -86,7 +94,8 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
             join = f"{record.run_id}:{record.owner_peer_id()}@{maddr}"
             attacker = subprocess.Popen(
                 ["nice", "-n", "19", sys.executable, str(HERE / "attacker.py"), "--attack", arm]
-                + ["--join", join, "--duration", str(duration), "--report", str(report)],
+                + ["--join", join, "--duration", str(duration), "--report", str(report)]
+                + (["--key-dir", str(key_dir)] if arm in ("sybil", "ghost") else []),
                 cwd=str(ROOT),
                 stdout=open(workroot / f"{name}-attacker.log", "wb"),
                 stderr=subprocess.STDOUT,

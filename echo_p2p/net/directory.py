@@ -60,6 +60,7 @@ class SwarmDirectory:
         self.read_timeouts = 0  # reads that got no answer within request_timeout (a monitor's "DHT down")
         self._warned_protocols: set[tuple[str, int]] = set()
         self._trainer_writers: tuple = (None, None)  # (trainer ids, run owner) this node was last told
+        self._providers_read: tuple[float, list] | None = None  # (monotonic time, entries) of the last read
 
     # ---- writes -----------------------------------------------------------------------------------------
     def announce(self, record: PeerRecord, ttl: float, timeout: float | None = None) -> bool:
@@ -135,8 +136,16 @@ class SwarmDirectory:
         self._trainer_writers = told
         return True
 
-    def providers(self) -> list[Entry[ProviderRecord]]:
-        return self._read(self.keys.providers, ProviderRecord)
+    def providers(self, max_age: float = 0.0) -> list[Entry[ProviderRecord]]:
+        """Every valid, unexpired provider record; the last read's when it is younger than ``max_age`` s
+        (fetches follow each other several times a second, and a Sybil's keys can each store a provider
+        record: a read parses every one)."""
+        cached = self._providers_read
+        if cached is not None and time.monotonic() - cached[0] < max_age:
+            return list(cached[1])
+        entries = self._read(self.keys.providers, ProviderRecord)
+        self._providers_read = (time.monotonic(), entries)
+        return entries
 
     def policies(self) -> list[Entry[PolicyRecord]]:
         """Every valid, unexpired publisher record (trust is the caller's business), newest version first."""

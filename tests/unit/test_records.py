@@ -141,3 +141,37 @@ def test_the_largest_honest_group_fits_the_wire_bound_that_trainers_enforce():
     size = len(group.to_bytes())
     bound = RolloutGroup.max_wire_bytes(prompt, group_size, completion)
     assert size <= bound < 1.1 * size + 4096, (size, bound)
+
+
+def test_fetches_share_one_provider_read_within_its_max_age():
+    """Each fetch of a version read every provider record (a Sybil's keys can each store one), several times
+    a second: a read younger than ``max_age`` is reused; ``max_age=0`` reads again."""
+    from concurrent.futures import Future
+
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from echo_p2p.net.directory import SwarmDirectory
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+
+    ident = load_or_create_identity(None)
+    now = get_dht_time()
+    record = ProviderRecord(peer_id=ident.peer_id, versions=[1]).to_wire()
+    gets = []
+
+    class FakeDht:
+        def get(self, key, latest, return_future):
+            gets.append(key)
+            future = Future()
+            future.set_result(
+                ValueWithExpiration({ident.owner_key: ValueWithExpiration(record, now + 60)}, now + 60)
+            )
+            return future
+
+    directory = SwarmDirectory(FakeDht(), SwarmKeys("r"), ident)
+    assert [e.record.peer_id for e in directory.providers(max_age=1.0)] == [ident.peer_id]
+    assert [e.record.peer_id for e in directory.providers(max_age=1.0)] == [ident.peer_id]
+    assert len(gets) == 1
+    directory.providers()
+    assert len(gets) == 2
+    ident.cleanup()

@@ -62,6 +62,7 @@ class _FetchSession(ChunkStreams):
         self.empty_picks: dict[str, float] = {}
         self.no_window: set[str] = set()  # digests asked of the publisher without the window
         self.refresh_now = False
+        self.refresh_forced = False  # the next provider read must not be an earlier fetch's
         publisher = Source(record.peer_id, record.maddrs, publisher=True)
         publisher.complete = set(self.order)
         if not fetcher.book.banned(record.peer_id):
@@ -131,6 +132,7 @@ class _FetchSession(ChunkStreams):
                         "no_progress", f"no chunk arrived for {self.cfg.no_progress_timeout:.0f} s"
                     )
                 if (now >= next_refresh or self.refresh_now) and not refreshing:
+                    self.refresh_forced = self.refresh_now  # who else holds what the publisher handed out
                     refreshing, self.refresh_now = True, False
 
                     async def refresh() -> None:
@@ -169,7 +171,9 @@ class _FetchSession(ChunkStreams):
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            found = await loop.run_in_executor(None, self.f.directory.providers)
+            max_age = 0.0 if self.refresh_forced else self.cfg.provider_refresh  # a read shared by fetches
+            self.refresh_forced = False
+            found = await loop.run_in_executor(None, self.f.directory.providers, max_age)
         except Exception as exc:
             logger.debug("reading providers failed: %r", exc)
             return

@@ -91,7 +91,7 @@ def fake_fetcher(config: FetcherConfig, peers: dict[str, WeightsServicer], verif
     return SimpleNamespace(
         config=config,
         endpoint=LocalEndpoint(peers),
-        directory=SimpleNamespace(providers=lambda: []),
+        directory=SimpleNamespace(providers=lambda max_age=0.0: []),
         book=book,
         _stop=threading.Event(),
         _verifier=verifier,

@@ -27,7 +27,9 @@ def empty_copy(served: ServedVersion, held: range = range(0)) -> ServedVersion:
 
 
 def announce(session: _FetchSession, *records: ProviderRecord) -> None:
-    session.f.directory.providers = lambda: [Entry(record=r, expires_at=time.time() + 30) for r in records]
+    session.f.directory.providers = lambda max_age=0.0: [
+        Entry(record=r, expires_at=time.time() + 30) for r in records
+    ]
 
 
 def record_of(peer_id: str, served: ServedVersion, partial: bool = False) -> ProviderRecord:
