@@ -78,7 +78,16 @@ class FetcherConfig(BaseModel):
         gt=0,
         description="Give up a fetch (kept chunks are reused next time) after this long without a chunk",
     )
-    provider_refresh: float = Field(default=1.0, gt=0, description="Seconds between provider list reads")
+    provider_refresh: float = Field(
+        default=1.0, gt=0, description="Seconds between provider list reads during a fetch"
+    )
+    provider_reuse: float = Field(
+        default=5.0,
+        ge=0,
+        description="A fetch starts from a provider list read at most this many seconds ago (fetches follow "
+        "each other several times a second, and every read parses every provider's record); it reads again "
+        "after provider_refresh s",
+    )
     have_period: float = Field(default=0.25, gt=0, description="Seconds between chunk-map polls of a peer")
     max_provider_failures: int = Field(
         default=2,

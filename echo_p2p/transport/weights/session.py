@@ -105,7 +105,7 @@ class _FetchSession(ChunkStreams):
     async def run(self) -> None:
         deadline = time.monotonic() + self.cfg.fetch_timeout
         try:  # know the other providers before the first request, so the publisher is spared from the start
-            await asyncio.wait_for(self._refresh_providers(), self.cfg.request_timeout)
+            await asyncio.wait_for(self._refresh_providers(first=True), self.cfg.request_timeout)
         except asyncio.TimeoutError:
             pass
         stop = getattr(self.f, "_stop", None)
@@ -167,11 +167,13 @@ class _FetchSession(ChunkStreams):
                 entry.fetching.clear()
 
     # ---- providers ------------------------------------------------------------------------------------
-    async def _refresh_providers(self) -> None:
+    async def _refresh_providers(self, first: bool = False) -> None:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            max_age = 0.0 if self.refresh_forced else self.cfg.provider_refresh  # a read shared by fetches
+            max_age = 0.0 if self.refresh_forced else self.cfg.provider_refresh  # shared by fetches
+            if first:
+                max_age = self.cfg.provider_reuse
             self.refresh_forced = False
             found = await loop.run_in_executor(None, self.f.directory.providers, max_age)
         except Exception as exc:
