@@ -236,6 +236,10 @@ def test_only_the_runs_trainers_write_the_trainers_key(swarm):
     stranger_dir.announce(PeerRecord(peer_id=stranger.peer_id, role="trainer"), ttl=60)  # only its own node
     assert boot.run_coroutine(stored) == [trainer.peer_id]  # refused by the told nodes
 
+    # a trainer's record cannot stand in for an inference peer's: no echo_p2p node takes it under peers
+    assert not boot_dir._store(keys.peers, PeerRecord(peer_id=boot_dir.identity.peer_id, role="trainer"), 60)
+    assert reader_dir.peers() == []
+
     rogue, rogue_ident = rogue_node(boot, started)  # plain hivemind: keeps and serves what it stores
     rogue.store(
         keys.trainers,
@@ -246,9 +250,6 @@ def test_only_the_runs_trainers_write_the_trainers_key(swarm):
     assert boot.run_coroutine(stored) == [trainer.peer_id]
     for _ in range(3):  # whichever nodes answer first, the untrusted records never reach the reader
         assert [e.record.peer_id for e in reader_dir.trainers()] == [trainer.peer_id]
-    # an inference record cannot stand in for a trainer's, nor a trainer's for an inference peer's
-    assert not boot_dir._store(keys.peers, PeerRecord(peer_id=boot_dir.identity.peer_id, role="trainer"), 60)
-    assert reader_dir.peers() == []
 
 
 def test_only_copies_of_the_owners_run_record_are_kept(swarm, tmp_path):
