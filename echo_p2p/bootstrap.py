@@ -46,9 +46,8 @@ class BootstrapPeer:
         self.maddrs: list[str] = []
         self._stopped = False
         self._run_record = None  # (SwarmKeys, SignedRunRecord, RunRecord) this bootstrap keeps on the DHT
-        self._run_trust = (
-            None  # (SwarmDirectory, RunTrust) of that run: whom this node takes trainer records from
-        )
+        # (SwarmDirectory, RunTrust) of that run: whom this node takes trainer records and run records from
+        self._run_trust = None
 
     def start(self) -> None:
         from echo_p2p.net.keys import SwarmKeys

@@ -28,6 +28,7 @@ Callers: ``net.node.start_dht`` (one validator per run, open), ``SwarmDirectory.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from functools import partial
@@ -56,7 +57,7 @@ class TrainerWriters:
         self.allowed: frozenset[str] | None = None if allowed is None else frozenset(allowed)
         self.owner: tuple[str, str] | None = None  # (run id, owner peer id) whose signed run records it keeps
         self._peer_ids: OrderedDict[bytes, str | None] = OrderedDict()
-        self._verified: OrderedDict[bytes, bool] = OrderedDict()
+        self._verified: OrderedDict[bytes, object] = OrderedDict()  # value -> the owner's RunRecord or None
 
     def validate(self, record) -> bool:
         if record.key == self.run_key_id:
@@ -68,9 +69,10 @@ class TrainerWriters:
     def signed_by_owner(self, value: bytes) -> bool:
         """Whether a stored run record (its DHT value, writer's signature included) is one the run's owner
         signed and that has not expired: copies of anything else are refused like untrusted writers'."""
-        if value in self._verified:
-            self._verified.move_to_end(value)
-            return self._verified[value]
+        record = _cached(self._verified, value, self._owners_record)
+        return record is not None and record.expires_at > time.time()
+
+    def _owners_record(self, value: bytes):
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.utils import MSGPackSerializer
 
@@ -80,30 +82,13 @@ class TrainerWriters:
         try:
             wire = MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
             run_id, owner = self.owner
-            ok = newest_valid([SignedRunRecord.from_wire(wire)], run_id, owner)[0] is not None
+            return newest_valid([SignedRunRecord.from_wire(wire)], run_id, owner)[0]
         except Exception:
-            ok = False
-        self._verified[value] = ok
-        if len(self._verified) > PEER_ID_CACHE:
-            self._verified.popitem(last=False)
-        return ok
+            return None
 
     def writer(self, subkey_bytes: bytes) -> str | None:
         """Peer id of the key in a msgpack'd ``[owner:...]`` subkey (None when it is not one)."""
-        if subkey_bytes in self._peer_ids:
-            self._peer_ids.move_to_end(subkey_bytes)
-            return self._peer_ids[subkey_bytes]
-        from hivemind.utils import MSGPackSerializer
-
-        try:
-            subkey = MSGPackSerializer.loads(subkey_bytes)
-        except Exception:
-            subkey = None
-        peer_id = peer_id_from_owner_key(subkey) if isinstance(subkey, bytes) else None
-        self._peer_ids[subkey_bytes] = peer_id
-        if len(self._peer_ids) > PEER_ID_CACHE:
-            self._peer_ids.popitem(last=False)
-        return peer_id
+        return _cached(self._peer_ids, subkey_bytes, _writer)
 
     # the rest of hivemind's RecordValidatorBase interface: this validator signs and strips nothing
     def sign_value(self, record) -> bytes:
@@ -143,6 +128,7 @@ async def _apply(
 ) -> int:
     """Runs inside the DHT process (``DHT.run_coroutine``)."""
     from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
     from hivemind.utils import MSGPackSerializer
 
     validators = getattr(node.protocol.record_validator, "_validators", [])
@@ -162,7 +148,7 @@ async def _apply(
             with value.freeze():
                 items = [(subkey, item.value, item.expiration_time) for subkey, item in value.items()]
             for subkey, item_value, expiration_time in items:
-                record = _Record(key_id, MSGPackSerializer.dumps(subkey), item_value, expiration_time)
+                record = DHTRecord(key_id, MSGPackSerializer.dumps(subkey), item_value, expiration_time)
                 if not validator.validate(record):
                     del value[subkey]
                     removed += 1
@@ -171,8 +157,23 @@ async def _apply(
     return removed
 
 
-class _Record:
-    """The fields of hivemind's ``DHTRecord`` that ``TrainerWriters.validate`` reads."""
+def _writer(subkey_bytes: bytes) -> str | None:
+    from hivemind.utils import MSGPackSerializer
 
-    def __init__(self, key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> None:
-        self.key, self.subkey, self.value, self.expiration_time = key, subkey, value, expiration_time
+    try:
+        subkey = MSGPackSerializer.loads(subkey_bytes)
+    except Exception:
+        return None
+    return peer_id_from_owner_key(subkey) if isinstance(subkey, bytes) else None
+
+
+def _cached(cache: OrderedDict, key: bytes, compute):
+    """``compute(key)``, remembered in ``cache`` (least recently used first out, ``PEER_ID_CACHE`` entries):
+    what a validator works out from attacker-chosen bytes is worked out once per distinct value."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = compute(key)
+    if len(cache) > PEER_ID_CACHE:
+        cache.popitem(last=False)
+    return value

@@ -62,7 +62,6 @@ class _FetchSession(ChunkStreams):
         self.empty_picks: dict[str, float] = {}
         self.no_window: set[str] = set()  # digests asked of the publisher without the window
         self.refresh_now = False
-        self.refresh_forced = False  # the next provider read must not be an earlier fetch's
         publisher = Source(record.peer_id, record.maddrs, publisher=True)
         publisher.complete = set(self.order)
         if not fetcher.book.banned(record.peer_id):
@@ -105,7 +104,7 @@ class _FetchSession(ChunkStreams):
     async def run(self) -> None:
         deadline = time.monotonic() + self.cfg.fetch_timeout
         try:  # know the other providers before the first request, so the publisher is spared from the start
-            await asyncio.wait_for(self._refresh_providers(first=True), self.cfg.request_timeout)
+            await asyncio.wait_for(self._refresh_providers(self.cfg.provider_reuse), self.cfg.request_timeout)
         except asyncio.TimeoutError:
             pass
         stop = getattr(self.f, "_stop", None)
@@ -132,13 +131,14 @@ class _FetchSession(ChunkStreams):
                         "no_progress", f"no chunk arrived for {self.cfg.no_progress_timeout:.0f} s"
                     )
                 if (now >= next_refresh or self.refresh_now) and not refreshing:
-                    self.refresh_forced = self.refresh_now  # who else holds what the publisher handed out
+                    # a forced read (who else holds what the publisher handed out) is not an earlier fetch's
+                    max_age = 0.0 if self.refresh_now else self.cfg.provider_refresh
                     refreshing, self.refresh_now = True, False
 
-                    async def refresh() -> None:
+                    async def refresh(max_age: float = max_age) -> None:
                         nonlocal refreshing, next_refresh
                         try:
-                            await asyncio.wait_for(self._refresh_providers(), self.cfg.request_timeout)
+                            await asyncio.wait_for(self._refresh_providers(max_age), self.cfg.request_timeout)
                         except asyncio.TimeoutError:
                             logger.debug("reading providers timed out")
                         finally:
@@ -167,14 +167,11 @@ class _FetchSession(ChunkStreams):
                 entry.fetching.clear()
 
     # ---- providers ------------------------------------------------------------------------------------
-    async def _refresh_providers(self, first: bool = False) -> None:
+    async def _refresh_providers(self, max_age: float = 0.0) -> None:
+        """Read the providers (a read at most ``max_age`` s old is shared with earlier fetches)."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            max_age = 0.0 if self.refresh_forced else self.cfg.provider_refresh  # shared by fetches
-            if first:
-                max_age = self.cfg.provider_reuse
-            self.refresh_forced = False
             found = await loop.run_in_executor(None, self.f.directory.providers, max_age)
         except Exception as exc:
             logger.debug("reading providers failed: %r", exc)
