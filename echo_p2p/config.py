@@ -23,6 +23,7 @@ from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.pacing import PacingConfig
 from echo_p2p.train.reputation import ReputationConfig
 from echo_p2p.train.trackers import ReportConfig
 from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig
@@ -177,9 +178,14 @@ class TrainerSection(StrictModel):
         default=4, ge=0, le=64, description="Async: drop rollouts more than this many versions old"
     )
     buffer_order: Literal["oldest", "newest"] = Field(
-        default="newest",
-        description="Async: which usable rollouts a step takes first; newest = least stale (inference "
-        "peers usually produce faster than a trainer consumes, and what gets too old is dropped anyway)",
+        default="oldest",
+        description="Async: which usable rollouts a step takes first; oldest = every group before it "
+        "expires (paced samplers keep about two batches buffered); newest = least stale, for samplers that "
+        "produce far more than the trainer consumes (what gets too old is dropped)",
+    )
+    pacing: PacingConfig = Field(
+        default_factory=PacingConfig,
+        description="Async: grant inference peers only what will be trained on within max_staleness",
     )
     buffer_capacity: int | None = Field(
         default=None, ge=1, description="Replay buffer size in groups (None: from batch and staleness)"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0erollouts.proto\x12\x11\x65\x63ho_p2p.rollouts\"3\n\x0eRolloutPayload\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\x0c\"\xa7\x01\n\x08GroupAck\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x32\n\x06status\x18\x02 \x01(\x0e\x32\".echo_p2p.rollouts.GroupAck.Status\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"3\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\r\n\tDUPLICATE\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"n\n\x07PushAck\x12)\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x1b.echo_p2p.rollouts.GroupAck\x12\x11\n\tfree_room\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x8e\x01\n\rSampleRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x17\n\x0fnum_completions\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x12\n\nrequest_id\x18\x06 \x01(\t\">\n\x0eSampleResponse\x12\r\n\x05group\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0erollouts.proto\x12\x11\x65\x63ho_p2p.rollouts\"3\n\x0eRolloutPayload\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\x0c\"\xa7\x01\n\x08GroupAck\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x32\n\x06status\x18\x02 \x01(\x0e\x32\".echo_p2p.rollouts.GroupAck.Status\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"3\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\r\n\tDUPLICATE\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"~\n\x07PushAck\x12)\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x1b.echo_p2p.rollouts.GroupAck\x12\x11\n\tfree_room\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0e\n\x06wanted\x18\x05 \x01(\x03\"\x8e\x01\n\rSampleRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x17\n\x0fnum_completions\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x12\n\nrequest_id\x18\x06 \x01(\t\">\n\x0eSampleResponse\x12\r\n\x05group\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GROUPACK_STATUS']._serialized_start=207
   _globals['_GROUPACK_STATUS']._serialized_end=258
   _globals['_PUSHACK']._serialized_start=260
-  _globals['_PUSHACK']._serialized_end=370
-  _globals['_SAMPLEREQUEST']._serialized_start=373
-  _globals['_SAMPLEREQUEST']._serialized_end=515
-  _globals['_SAMPLERESPONSE']._serialized_start=517
-  _globals['_SAMPLERESPONSE']._serialized_end=579
+  _globals['_PUSHACK']._serialized_end=386
+  _globals['_SAMPLEREQUEST']._serialized_start=389
+  _globals['_SAMPLEREQUEST']._serialized_end=531
+  _globals['_SAMPLERESPONSE']._serialized_start=533
+  _globals['_SAMPLERESPONSE']._serialized_end=595
 # @@protoc_insertion_point(module_scope)

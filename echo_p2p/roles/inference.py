@@ -212,7 +212,13 @@ class InferencePeer(BasePeer):
             return
         while not self.stop_event.is_set():
             self._wait_if_stale()
-            ids = self.task.sample_prompt_ids(self._rng, self.section.prompts_per_batch)
+            # pacing: sample only what some trainer asked this peer for (train/pacing.py)
+            count = self.pusher.reserve(
+                self.section.prompts_per_batch, timeout=1.0, stop_event=self.stop_event
+            )
+            if not count:
+                continue
+            ids = self.task.sample_prompt_ids(self._rng, count)
             groups = self._sample(ids, self.config.run.group_size)
             t0 = time.monotonic()
             try:
@@ -293,6 +299,8 @@ class InferencePeer(BasePeer):
                 rollouts_rejected=push["rejected"],
                 untrusted_trainers_skipped=push["untrusted_trainers_skipped"],
                 seconds_waiting_for_room=push["seconds_waiting_for_room"],
+                seconds_paced=push["seconds_paced"],
+                room_queries=push["room_queries"],
                 outbox=push["outbox"],
                 stale_waits=self.stale_waits,
             )

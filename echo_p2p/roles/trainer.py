@@ -48,6 +48,7 @@ class TrainerPeer(BasePeer):
         self.publish_seconds = 0.0
         self.reward_history: list[tuple[float, int, float]] = []  # (time, version, mean reward)
         self.buffer = None  # the replay buffer (async mode), built in on_start
+        self.pacer = None  # train.pacing.Pacer: what inference peers are asked to sample (async mode)
         self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
@@ -180,12 +181,20 @@ class TrainerPeer(BasePeer):
             self.guard = SenderGuard(section.reputation, self.peer_id, self.buffer, self.trust)
             self.intake = AsyncIntake(self.buffer, section, open_journal(section), self.prefix())
             self.intake.recover(self.policy_version or 0)
+            from echo_p2p.train.pacing import Pacer
+
+            self.pacer = (
+                Pacer(section.pacing, section.prompts_per_step, section.max_staleness)
+                if section.pacing.enabled
+                else None
+            )
             self.ingest = RolloutIngestServicer(
                 lambda group: self.validator.validate(group, self.policy_version or 0),
                 self.buffer,
                 ingest_config,
                 current_version=lambda: self.policy_version or 0,
                 is_banned=self.guard.is_banned,
+                pacer=self.pacer,
             )
             self.loop.add_servicer(self.ingest, namespace)
             self.accepts_rollouts = True
@@ -451,6 +460,8 @@ class TrainerPeer(BasePeer):
                 k: stats[k] for k in ("size", "free_room", "dropped_stale", "evicted", "duplicates")
             }
             out["dropped_stale"] = stats["dropped_stale"]
+        if self.pacer is not None:
+            out["pacing"] = self.pacer.stats()
         if self.guard is not None:
             out["senders"] = self.guard.stats()
         if self.ingest is not None:

@@ -567,3 +567,62 @@ def test_spread_by_weight_is_proportional_and_unknown_throughput_counts_as_avera
     shares = spread_by_weight(list(range(4)), {"a": 100.0, "b": None, "c": 200.0})
     assert sum(len(v) for v in shares.values()) == 4 and len(shares["c"]) == 2
     assert spread_by_weight([1, 2], {}) == {}
+
+
+def test_a_paced_sampler_stops_when_the_trainer_wants_nothing_and_resumes_when_it_trains(nodes, run):
+    """Pacing end to end over real streams: the sampler makes only what the trainer grants (two batches here),
+    waits while the buffer holds them, resumes when a step takes a batch, and every group it made is
+    trained on exactly once."""
+    from echo_p2p.train.pacing import Pacer, PacingConfig
+
+    keys, serve = run
+    t1, _, i1, _ = nodes
+    batch = 4
+    validator = IngestValidator(
+        {"count": TASK}, TOK, IngestConfig(vocab_size=len(TOK), group_size=G, max_staleness=1)
+    )
+    buffer = ReplayBuffer(capacity=50, max_staleness=1)
+    pacer = Pacer(PacingConfig(query_wait=0.3), batch_groups=batch, max_staleness=1)
+    servicer = RolloutIngestServicer(
+        lambda g: validator.validate(g, VERSION), buffer, current_version=lambda: VERSION, pacer=pacer
+    )
+    serve(t1, servicer)
+    t1.announce(keys, "trainer", accepts_rollouts=True, free_buffer_room=50)
+    pusher = pusher_for(i1, keys)
+
+    made: list[RolloutGroup] = []
+    stop = threading.Event()
+
+    def sample() -> None:  # an inference peer's loop: reserve, sample, submit
+        while not stop.is_set():
+            count = pusher.reserve(batch, timeout=0.5, stop_event=stop)
+            for _ in range(count):
+                n = len(made)  # distinct completions: no group repeats another's content
+                made.append(honest_group(n % 30, texts=[TASK.target(n % 30), "b" * (n // 30 + 1)]))
+                pusher.submit([made[-1]], timeout=5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    taken: list[str] = []
+    try:
+        target = pacer.target()
+        assert target == 2 * batch
+        wait_until(lambda: len(buffer) == target, 20, what="the granted groups in the buffer")
+        time.sleep(1.5)  # the trainer wants nothing: the sampler waits instead of sampling
+        assert len(made) == target and len(buffer) == target, (len(made), pusher.stats())
+        assert pusher.stats()["room_queries"] >= 1 and pusher.stats()["seconds_paced"] >= 1.0
+
+        for step in range(1, 4):  # each step frees a batch: the sampler makes exactly that many more
+            taken += [s.rollout_id for s in buffer.take(batch, VERSION)]
+            wait_until(lambda: len(buffer) == target, 20, what=f"the buffer refilled after step {step}")
+            time.sleep(0.5)
+            assert len(made) == target + step * batch, (step, len(made), pacer.stats())
+    finally:
+        stop.set()
+        sampler.join(10)
+    assert pusher.flush(timeout=15), pusher.stats()
+    while len(buffer):
+        taken += [s.rollout_id for s in buffer.take(batch, VERSION)]
+    assert sorted(taken) == sorted(g.rollout_id for g in made)  # none lost, none used twice
+    assert pusher.stats()["acked"] == len(made) and pusher.stats()["rejected"] == {}
+    assert servicer.stats()["queries"] >= 1

@@ -13,6 +13,9 @@ sender below its share (capacity / (active senders + 1)) at the expense of one a
 accepted is acknowledged as DUPLICATE (delivered), so a sender whose ack was lost stops resending. After
 the ack the stream stays open until the sender closes it (``_linger``: a stream closed first by its
 receiver can be reset, and the reset can overtake the ack). Never raises.
+Pacing (``train.pacing.Pacer``, optional): every ack carries the sender's grant, ``PushAck.wanted``, the groups
+this trainer asks it to sample now; a push of no payload is a room query, held up to ``query_wait`` until
+there is a grant (one held query per sender, each charged ``QUERY_COST`` of the sender's CPU quota).
 The sending side is ``rollouts.push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
 work never runs in the loop.
 """
@@ -36,6 +39,7 @@ from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.buffer import AddResult, ReplayBuffer, ScoredGroup
 from echo_p2p.train.ingest import Reason, Rejection
+from echo_p2p.train.pacing import Pacer
 from echo_p2p.transport.quota import PeerQuotas
 from echo_p2p.transport.rollouts.config import IngestServerConfig
 from echo_p2p.transport.streams import until_closed
@@ -57,6 +61,10 @@ LINGER_BYTES = 16 * 1024 * 1024
 LINGER_FLOOR = 64 * 1024
 #: Refusals of senders that break the protocol: their streams linger for ``LINGER_FLOOR`` bytes at most.
 VIOLATIONS = (FRAME_TOO_LARGE, BAD_FRAME, BANNED)
+#: CPU seconds a room query is charged to its sender's quota (the p2pd stream and the wake-ups it costs).
+QUERY_COST = 0.002
+#: Seconds between two looks at the buffer while a room query is held.
+QUERY_POLL = 0.05
 
 
 @dataclass
@@ -84,6 +92,7 @@ class RolloutIngestServicer(ServicerBase):
     :param buffer: the trainer's replay buffer (``add`` and ``free_room`` are used)
     :param current_version: the trainer's policy version, passed to ``buffer.add`` and echoed in acks
     :param is_banned: ``peer_id -> bool``: senders whose pushes are refused unread (``banned``)
+    :param pacer: grants senders what will be trained on (``PushAck.wanted``); None: acks say -1 (not paced)
     """
 
     def __init__(
@@ -93,8 +102,11 @@ class RolloutIngestServicer(ServicerBase):
         config: IngestServerConfig | None = None,
         current_version: Callable[[], int] | None = None,
         is_banned: Callable[[str], bool] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.validate = validate
+        self.pacer = pacer
+        self._querying: set[str] = set()  # senders with a room query held (one each)
         self.is_banned = is_banned
         self.buffer = buffer
         self.config = config or IngestServerConfig()
@@ -102,6 +114,7 @@ class RolloutIngestServicer(ServicerBase):
         self.senders: OrderedDict[str, SenderStats] = OrderedDict()
         self.totals = SenderStats()
         self.pushes = 0
+        self.queries = 0  # room queries (pushes of no payload)
         self._accepted_ids: OrderedDict[str, None] = OrderedDict()
         self._accepted_content: OrderedDict[bytes, None] = OrderedDict()
         self._active: OrderedDict[str, float] = (
@@ -238,16 +251,60 @@ class RolloutIngestServicer(ServicerBase):
                 self._count_refusal(sender, refusal.split(":", 1)[0])
                 if not messages:
                     return rollouts_pb2.PushAck(
-                        error=refusal, free_room=self._free_room(), policy_version=self._version()
+                        error=refusal,
+                        free_room=self._free_room(),
+                        policy_version=self._version(),
+                        wanted=self._wanted(sender),
                     )
+            if not messages and refusal is None:
+                return await self._room_query(sender)
             loop = asyncio.get_running_loop()
             acks = await loop.run_in_executor(self._worker, self._process, sender, messages)
             return rollouts_pb2.PushAck(
-                acks=acks, free_room=self._free_room(), policy_version=self._version()
+                acks=acks,
+                free_room=self._free_room(),
+                policy_version=self._version(),
+                wanted=self._wanted(sender),
             )
         except Exception as exc:  # never raise to the caller: it would only see a generic error
             logger.exception("processing a push from %s failed", sender)
-            return rollouts_pb2.PushAck(error=f"internal error: {type(exc).__name__}", free_room=-1)
+            return rollouts_pb2.PushAck(
+                error=f"internal error: {type(exc).__name__}", free_room=-1, wanted=-1
+            )
+
+    async def _room_query(self, sender: str) -> rollouts_pb2.PushAck:
+        """A push of no payload: answered once this trainer grants ``sender`` groups, or after ``query_wait``
+        (at once when not paced, or when the sender has a query held already)."""
+        with self._lock:
+            self.queries += 1
+        self._cpu.charge(sender, QUERY_COST)
+        wanted = self._wanted(sender)
+        if self.pacer is not None and wanted == 0 and sender not in self._querying:
+            self._querying.add(sender)
+            try:
+                deadline = time.monotonic() + self.pacer.config.query_wait
+                while wanted == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(QUERY_POLL)
+                    wanted = self._wanted(sender)
+            finally:
+                self._querying.discard(sender)
+        return rollouts_pb2.PushAck(
+            free_room=self._free_room(), policy_version=self._version(), wanted=wanted
+        )
+
+    def _wanted(self, sender: str) -> int:
+        """``sender``'s grant now (-1: not paced)."""
+        if self.pacer is None:
+            return -1
+        try:
+            usable = self.buffer.num_usable(self._version())
+            with self._lock:
+                stats = self.senders.get(sender)
+                proven = stats is not None and stats.accepted > 0
+            return self.pacer.grant(sender, usable, proven)
+        except Exception:
+            logger.exception("pacing failed")
+            return -1
 
     # ---- stats ------------------------------------------------------------------------------------------
     def sender_stats(self, peer_id: str) -> SenderStats:
@@ -260,6 +317,7 @@ class RolloutIngestServicer(ServicerBase):
         with self._lock:
             return {
                 "pushes": self.pushes,
+                "queries": self.queries,
                 **self.totals.as_dict(),
                 "senders": {pid: s.as_dict() for pid, s in self.senders.items()},
             }
@@ -340,6 +398,8 @@ class RolloutIngestServicer(ServicerBase):
             self._version() if self.current_version is not None else None,
             sender_share=share,
         )
+        if added is AddResult.ADDED and self.pacer is not None and self.current_version is not None:
+            self.pacer.observe(self._version() - group.policy_version)
         if added is AddResult.ADDED or added is AddResult.DUPLICATE:
             self._remember(group.rollout_id, content, sender)
             if added is AddResult.DUPLICATE:

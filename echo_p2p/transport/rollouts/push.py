@@ -6,7 +6,11 @@ buffer room, keeps every group until a trainer acknowledges it, and resends it t
 error or a timeout (that trainer is skipped for a growing back-off). A trainer that answered ``buffer_full``
 is probed again after ``full_recheck``. Acks report the trainer's policy version (``trainer_version``,
 ``on_trainer_version``) and too-stale refusals raise ``stale_floor``, so the peer can stop sampling with a
-version nobody accepts. The receiving side is ``rollouts.ingest.RolloutIngestServicer``.
+version nobody accepts. Pacing: each ack carries the trainer's grant to this peer (``PushAck.wanted``, see
+``train.pacing``), and ``reserve`` hands the sampling thread only groups some trainer asked for, waiting
+(while the sender thread holds room queries, pushes of no payload, at the trainers) when none did: nothing is
+sampled that would age unused in a buffer. A trainer that does not pace (``wanted`` -1) gets what is sampled,
+as fast as the outbox drains. The receiving side is ``rollouts.ingest.RolloutIngestServicer``.
 Delivery is at-least-once: a trainer that dies before acking costs a resend; trainers de-duplicate by id.
 Caller: the inference peer. Must not import torch; blocking work never runs in the loop.
 """
@@ -81,6 +85,10 @@ class _Trainer:
     bad_until: float = 0.0  # monotonic
     failures: int = 0  # failed pushes in a row (the back-off grows with them)
     recheck_at: float = float("inf")  # monotonic: when a trainer that said "full" is probed again
+    wanted: int | None = (
+        None  # its grant to this peer, less what was reserved since (-1: not paced; None: unknown)
+    )
+    asked_at: float = -float("inf")  # monotonic: when its last ack (push or room query) arrived
 
 
 class RolloutPusher:
@@ -116,6 +124,9 @@ class RolloutPusher:
         self.rejected: Counter[str] = Counter()  # reason -> groups refused for good
         self.seconds_waiting_for_room = 0.0  # submit blocked on a full outbox
         self.seconds_without_trainer = 0.0  # groups waiting and no trainer with room
+        self.seconds_paced = 0.0  # reserve waited: no trainer wanted more groups
+        self._reserving = 0  # sampling threads waiting in reserve (the sender thread queries for room)
+        self._undelivered = 0  # groups reserved from grants and not yet in an acknowledged push
         self.trainer_version: int | None = None  # the newest policy version an ack reported
         self.stale_floor: int | None = None  # the newest policy version of a group refused as too stale
         #: called (in the sender thread) with a trainer's version when an ack reports a newer one
@@ -145,6 +156,7 @@ class RolloutPusher:
                 logger.warning("dropping a rollout with an invalid id %r", group.rollout_id[:80])
                 with self._cond:
                     self.rejected[Reason.MALFORMED.value] += 1
+                    self._undelivered = max(0, self._undelivered - 1)
                 queued += 1
                 continue
             payload = group.to_bytes()
@@ -154,6 +166,7 @@ class RolloutPusher:
                 )
                 with self._cond:
                     self.rejected[Reason.TOO_LARGE.value] += 1
+                    self._undelivered = max(0, self._undelivered - 1)
                 queued += 1
                 continue
             with self._cond:
@@ -174,6 +187,48 @@ class RolloutPusher:
                 self._cond.notify_all()
         return queued
 
+    def reserve(
+        self, groups: int, timeout: float | None = None, stop_event: threading.Event | None = None
+    ) -> int:
+        """How many groups (at most ``groups``) to sample now: what trainers granted this peer and nobody
+        reserved yet. Waits while no trainer wants any (the sender thread asks them), at most ``timeout``;
+        returns 0 when it passes, ``stop_event`` is set or the pusher shuts down. A trainer that does not pace
+        takes whatever is sampled: ``groups``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        with self._cond:
+            self._reserving += 1
+            try:
+                while not self._stop.is_set() and not (stop_event is not None and stop_event.is_set()):
+                    granted = self._take_grant(groups)
+                    if granted:
+                        return granted
+                    remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                    if remaining <= 0:
+                        break
+                    self._cond.notify_all()  # the sender thread: someone waits for a grant
+                    self._cond.wait(remaining)
+                return 0
+            finally:
+                self._reserving -= 1
+                self.seconds_paced += time.monotonic() - started
+
+    def _take_grant(self, groups: int) -> int:
+        """Caller holds the lock: reserve up to ``groups`` of the trainers' grants (largest first)."""
+        now = time.monotonic()
+        trainers = [t for t in self._trainers.values() if t.bad_until <= now]
+        if any(t.wanted == -1 for t in trainers):
+            return groups  # a trainer that does not pace: the outbox and its room bound what is sampled
+        taken = 0
+        for trainer in sorted(trainers, key=lambda t: -(t.wanted or 0)):
+            share = min(groups - taken, max(0, trainer.wanted or 0))
+            if share <= 0:
+                break
+            trainer.wanted = (trainer.wanted or 0) - share
+            taken += share
+        self._undelivered += taken
+        return taken
+
     def flush(self, timeout: float) -> bool:
         """Wait until every queued group is acknowledged (or dropped); False when ``timeout`` passes first."""
         deadline = time.monotonic() + timeout
@@ -193,6 +248,8 @@ class RolloutPusher:
         with self._cond:
             return {
                 **{k: self.counters[k] for k in ("submitted", "sent", "acked", "duplicates", "resent")},
+                "room_queries": self.counters["room_queries"],
+                "seconds_paced": round(self.seconds_paced, 3),
                 "failed_pushes": self.counters["failed_pushes"],
                 "untrusted_trainers_skipped": self.counters["untrusted_trainers_skipped"],
                 "rejected": dict(self.rejected),
@@ -224,9 +281,13 @@ class RolloutPusher:
 
     def _step(self) -> None:
         with self._cond:
-            if not self._pending:
+            if not self._pending and not self._reserving:
                 self._cond.wait(0.2)
                 return
+            query = not self._pending
+        if query:
+            self._query_room()
+            return
         trainer = self._choose()
         if trainer is None:
             started = time.monotonic()
@@ -248,10 +309,7 @@ class RolloutPusher:
                 raise RuntimeError(f"trainer refused the push: {ack.error}")
             requeue = self._settle(trainer, batch, ack)
         except Exception as exc:
-            self.counters["failed_pushes"] += 1
-            trainer.failures += 1
-            trainer.bad_until = time.monotonic() + self.backoff(trainer.failures)
-            self.loop.forget(trainer.peer_id)
+            self._failed(trainer)
             logger.info(
                 "push of %d groups to %s failed (%s); resending elsewhere", len(batch), trainer.peer_id, exc
             )
@@ -259,6 +317,38 @@ class RolloutPusher:
             with self._cond:
                 self._in_flight -= len(batch)
                 self._pending.extendleft(reversed(requeue))
+                self._cond.notify_all()
+
+    def _failed(self, trainer: _Trainer) -> None:
+        self.counters["failed_pushes"] += 1
+        trainer.failures += 1
+        trainer.bad_until = time.monotonic() + self.backoff(trainer.failures)
+        self.loop.forget(trainer.peer_id)
+
+    def _query_room(self) -> None:
+        """The sampling thread waits for a grant: ask the trainer heard from least recently (a push of no
+        payload; a pacing trainer answers once it wants groups from us, or after its ``query_wait``)."""
+        if time.monotonic() - self._refreshed_at >= self.config.refresh_period:
+            self._refresh()
+        now = time.monotonic()
+        usable = [t for t in self._trainers.values() if t.bad_until <= now]
+        if not usable:
+            started = time.monotonic()
+            self._stop.wait(self.config.idle_wait)
+            self.seconds_without_trainer += time.monotonic() - started
+            return
+        trainer = min(usable, key=lambda t: t.asked_at)
+        try:
+            ack = self.loop.run(self._push(trainer, []), timeout=self.config.push_timeout)
+            if ack.error:
+                raise RuntimeError(f"trainer refused the query: {ack.error}")
+            self.counters["room_queries"] += 1
+            self._settle(trainer, [], ack)
+        except Exception as exc:
+            self._failed(trainer)
+            logger.info("room query to %s failed (%s)", trainer.peer_id, exc)
+        finally:
+            with self._cond:
                 self._cond.notify_all()
 
     async def _push(self, trainer: _Trainer, batch: list[_Item]) -> rollouts_pb2.PushAck:
@@ -284,6 +374,13 @@ class RolloutPusher:
                 self.on_trainer_version(self.trainer_version)
         if ack.free_room >= 0:
             trainer.room, trainer.stamp = int(ack.free_room), time.time()
+        with self._cond:
+            # the grant counts the groups of this push as delivered, not those reserved and still being
+            # sampled, queued or pushed elsewhere: they are on their way, so they come off the grant
+            self._undelivered = max(0, self._undelivered - len(batch))
+            wanted = max(-1, int(ack.wanted))
+            trainer.wanted = wanted if wanted < 0 else max(0, wanted - self._undelivered)
+            trainer.asked_at = time.monotonic()
         requeue = []
         for index, item in enumerate(batch):  # verdicts come in the order the groups were sent
             verdict = ack.acks[index] if index < len(ack.acks) else None
