@@ -96,6 +96,10 @@ class RunSummary:
     refused_at_ingest: dict[str, int] = field(default_factory=dict)
     trainer_idle_fraction: float | None = None
     mean_staleness: float | None = None
+    groups_sampled: int | None = None  # by the inference peers (swarm)
+    stale_fraction: float | None = None  # (dropped as stale + refused too_stale) / sampled
+    samplers_paced_fraction: float | None = None  # share of their time the samplers waited for a grant
+    first_step_seconds: float | None = None  # from launch to the first training step
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +120,19 @@ class RunSummary:
             idle = "-" if self.trainer_idle_fraction is None else f"{100 * self.trainer_idle_fraction:.0f}%"
             stale = "-" if self.mean_staleness is None else f"{self.mean_staleness:.2f}"
             out.append(f"trainer idle {idle}, mean staleness of consumed rollouts {stale} versions")
+            if self.groups_sampled:
+                waste = "-" if self.stale_fraction is None else f"{100 * self.stale_fraction:.0f}%"
+                paced = (
+                    "-"
+                    if self.samplers_paced_fraction is None
+                    else f"{100 * self.samplers_paced_fraction:.0f}%"
+                )
+                out.append(
+                    f"rollout groups sampled {self.groups_sampled}, {waste} of them too stale to train on; "
+                    f"samplers waited for the trainers' grants {paced} of the time"
+                )
+        if self.first_step_seconds is not None:
+            out.append(f"first training step {self.first_step_seconds:.1f} s after launch")
         return out
 
 
@@ -126,6 +143,23 @@ def summarize(runs: Runs) -> RunSummary | None:
     if runs.kind == "colocated":
         return _summarize_colocated(next(iter(runs.lines.values())))
     return None
+
+
+def _samplers(metrics_dir: Path) -> tuple[int | None, float | None]:
+    """Groups the inference peers sampled, and the share of their time they waited for a grant."""
+    sampled, paced, seconds = 0, 0.0, 0.0
+    found = False
+    for path in sorted(metrics_dir.glob("inference-*.jsonl")):
+        lines = [x for x in read_metrics(str(path)) if "groups_sampled" in x]
+        if not lines:
+            continue
+        found = True
+        sampled += int(lines[-1]["groups_sampled"])
+        paced += float(lines[-1].get("seconds_paced") or 0.0)
+        seconds += max(0.0, lines[-1]["time"] - lines[0]["time"])
+    if not found:
+        return None, None
+    return sampled, (paced / seconds if seconds > 0 else None)
 
 
 def _summarize_swarm(runs: Runs) -> RunSummary:
@@ -275,6 +309,13 @@ def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | No
     """Write ``summary.json`` and ``reward.png`` into ``out_dir``; returns what was written (paths, summary)."""
     runs = Runs.load(metrics_dir)
     summary = summarize(runs)
+    if summary is not None and summary.kind == "swarm":
+        summary.groups_sampled, summary.samplers_paced_fraction = _samplers(metrics_dir)
+        if summary.groups_sampled:
+            stale = summary.dropped_stale + summary.refused_at_ingest.get("too_stale", 0)
+            summary.stale_fraction = stale / summary.groups_sampled
+    if summary is not None and start is not None and runs.lines:
+        summary.first_step_seconds = max(0.0, runs.merged()[0]["time"] - start)
     written: dict[str, Any] = {"summary": summary.as_dict() if summary else None}
     (out_dir / "summary.json").write_text(json.dumps(written["summary"], indent=2) + "\n")
     written["summary_path"] = str(out_dir / "summary.json")
