@@ -129,3 +129,21 @@ def test_helpers():
     assert mean_staleness({"0": 1, "3": 1}) == 1.5
     assert mean_staleness({}) is None
     assert math.isnan(summarize.__globals__["mean"]([]))
+
+
+def test_the_written_report_counts_what_the_samplers_made_and_how_much_came_too_stale(tmp_path):
+    metrics, out = tmp_path / "metrics", tmp_path / "out"
+    metrics.mkdir()
+    out.mkdir()
+    write_trainer(metrics, "t", 30, rejected={"too_stale": 13, "duplicate_content": 50})  # 87 dropped stale
+    for peer, sampled, paced in (("i1", 600, 10.0), ("i2", 400, 30.0)):
+        lines = [
+            {"time": 1000.0, "groups_sampled": 0, "seconds_paced": 0.0},
+            {"time": 1040.0, "groups_sampled": sampled, "seconds_paced": paced},
+        ]
+        (metrics / f"inference-{peer}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = write_report(metrics, out, "t", start=990.0)["summary"]
+    assert summary["groups_sampled"] == 1000
+    assert summary["stale_fraction"] == pytest.approx((87 + 13) / 1000)  # duplicates are not staleness
+    assert summary["samplers_paced_fraction"] == pytest.approx(40 / 80)
+    assert summary["first_step_seconds"] == pytest.approx(10.0)
