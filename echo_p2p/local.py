@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail
+from echo_p2p.local_keys import bootstrap_address, make_run_record
 from echo_p2p.report import Runs, print_report, progress_line, reward_reached
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -112,24 +113,14 @@ class LocalSwarm:
         maddrs_file = self.workdir / "bootstrap.maddrs"
         run_record, owner = self.make_run_record()
         self.owner = owner
+        # its address is chosen first, so the peers start with it (they knock until it listens)
+        boot_identity, boot_listen, self.bootstrap_maddr = bootstrap_address(self.workdir)
         boot = self._spawn(
             "bootstrap",
-            "-m",
-            "echo_p2p.bootstrap",
-            "--host-maddrs",
-            LOOPBACK,
-            "--maddrs-file",
-            str(maddrs_file),
-            "--run-record",
-            str(run_record),
+            *("-m", "echo_p2p.bootstrap", "--host-maddrs", boot_listen),
+            *("--identity-path", str(boot_identity), "--maddrs-file", str(maddrs_file)),
+            *("--run-record", str(run_record)),
         )
-        deadline = time.monotonic() + timeout
-        while not maddrs_file.exists():
-            if boot.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the bootstrap did not start; see {boot.log}")
-            if self.stop_event.wait(0.1):
-                return
-        self.bootstrap_maddr = maddrs_file.read_text().split()[0]
         self.join_address = f"{self.config.run_id}:{owner}@{self.bootstrap_maddr}"
         common = [
             "--host-maddrs",
@@ -180,6 +171,12 @@ class LocalSwarm:
                 *("--join", self.join_address, "--seed", str(1000 + i)),
                 nice=self.config.inference_nice,
             )
+        deadline = time.monotonic() + timeout
+        while not maddrs_file.exists():
+            if boot.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the bootstrap did not start; see {boot.log}")
+            if self.stop_event.wait(0.1):
+                return
 
     def start_colocated(self) -> None:
         """The baseline: one process that alternates sampling and training (``echo_p2p.colocated``)."""
@@ -199,44 +196,10 @@ class LocalSwarm:
     def _task_option_flags(self) -> list[str]:
         return [arg for option in self.config.task_options for arg in ("--task-option", option)]
 
-    def make_trainer_identities(self) -> Path:
-        """Create the trainers' identities up front and the run's trusted-trainers file from them."""
-        from echo_p2p.net.identity import load_or_create_identity
-        from echo_p2p.transport.trust import trainer_key_line
-
-        lines = ["# trainers of this local run (python -m echo_p2p.transport.trust IDENTITY prints a line)"]
-        for i in range(self.config.trainers):
-            identity = load_or_create_identity(str(self.workdir / "identities" / f"trainer-{i}.id"))
-            lines.append(trainer_key_line(identity))
-        path = self.workdir / "trusted-trainers.txt"
-        path.write_text("\n".join(lines) + "\n")
-        return path
-
     def make_run_record(self) -> tuple[Path, str]:
-        """Sign the run record (its trainers, model, task, mode) with a run-owner identity of this local run,
-        as ``python -m echo_p2p.owner sign`` does; returns the record file and the owner's peer id."""
-        from echo_p2p.net import run_record
-        from echo_p2p.net.identity import load_or_create_identity
-        from echo_p2p.transport.trust import TrustedTrainers
-
-        trainers = TrustedTrainers.from_file(self.make_trainer_identities())
-        owner = load_or_create_identity(str(self.workdir / "identities" / "owner.id"))
-        now = time.time()
-        record = run_record.RunRecord(
-            run_id=self.config.run_id,
-            owner_key=owner.public_key_bytes().decode(),
-            trainers=sorted(trainers.peer_ids),
-            serial=int(now),
-            issued_at=now,
-            expires_at=now + 30 * 86400,
-            model=self.config.model,
-            task=self.config.task,
-            mode=self.config.mode,
-            note="a local run (python -m echo_p2p.local)",
-        )
-        path = self.workdir / "run-record.bin"
-        run_record.write_file(path, *run_record.sign(record, owner))
-        return path, owner.peer_id
+        """The signed run record and its owner's peer id (``local_keys.make_run_record``)."""
+        c = self.config
+        return make_run_record(self.workdir, c.run_id, c.trainers, c.model, c.task, c.mode)
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]

@@ -3,7 +3,8 @@
 Owned here: turning a ``NetworkConfig`` + ``Identity`` into a running ``hivemind.DHT`` whose records are
 signed with the identity's key and validated against the run's schema; checking that listening ports
 are free (p2pd binds with SO_REUSEPORT and would silently share a busy port); bounded start-up with clear
-errors for unreachable initial peers; reading the node's visible addresses and neighbour counts.
+errors for unreachable initial peers (tried again every ``JOIN_RETRY`` s until the deadline: a bootstrap may
+be starting or restarting); reading the node's visible addresses and neighbour counts.
 Callers: the bootstrap, the peers and the swarm CLI. No torch.nn.
 """
 
@@ -14,6 +15,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 from echo_p2p.config import NetworkConfig
@@ -21,6 +23,9 @@ from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two attempts to join when no initial peer answered (until the start-up deadline).
+JOIN_RETRY = 1.0
 
 
 class NodeStartError(RuntimeError):
@@ -95,25 +100,35 @@ def start_dht(
         kwargs["announce_maddrs"] = list(network.announce_maddrs)
     if not client_mode:  # a reader (monitor, swarm status) dials out only: it needs no relay
         kwargs.update(relay_options(network.relay_addresses, network.reachability))
-    dht = hivemind.DHT(**kwargs)
-    _guard_pipes(dht)
-    dht.start()
+    deadline = time.monotonic() + network.startup_timeout
     try:
-        dht.wait_until_ready(timeout=network.startup_timeout)
-    except TimeoutError:
-        _kill(dht)
-        raise NodeStartError(
-            f"the DHT node did not start within {network.startup_timeout:.0f} s; "
-            f"initial peers: {', '.join(network.initial_peers) or 'none'}"
-        ) from None
-    except Exception as exc:
-        _kill(dht)
-        raise NodeStartError(_explain_start_error(exc, network)) from None
+        while True:
+            dht = hivemind.DHT(**kwargs)
+            _guard_pipes(dht)
+            dht.start()
+            try:
+                dht.wait_until_ready(timeout=max(0.1, deadline - time.monotonic()))
+                return dht
+            except TimeoutError:
+                _kill(dht)
+                raise NodeStartError(
+                    f"the DHT node did not start within {network.startup_timeout:.0f} s; "
+                    f"initial peers: {', '.join(network.initial_peers) or 'none'}"
+                ) from None
+            except Exception as exc:
+                _kill(dht)
+                message = _explain_start_error(exc, network)
+                # a bootstrap that is (re)starting: keep knocking until the start-up deadline
+                if not _no_initial_peer_answered(exc) or time.monotonic() + JOIN_RETRY >= deadline:
+                    raise NodeStartError(message) from None
+                logger.info(
+                    "%s; trying again until the %.0f s start-up deadline", message, network.startup_timeout
+                )
+                time.sleep(JOIN_RETRY)
     finally:
         # the daemon has read an ephemeral key file by now (or is gone): remove it, so that no private key
         # outlives a peer that is killed before its shutdown runs
         identity.cleanup()
-    return dht
 
 
 class _LockedSender:
@@ -176,9 +191,14 @@ def _guard_pipes(dht) -> None:
     dht._inner_pipe = _WholeMessageReceiver(dht._inner_pipe)
 
 
+def _no_initial_peer_answered(exc: Exception) -> bool:
+    text = str(exc)
+    return "failed to connect to bootstrap peers" in text or "bootstrap" in text.lower()
+
+
 def _explain_start_error(exc: Exception, network: NetworkConfig) -> str:
     text = str(exc)
-    if "failed to connect to bootstrap peers" in text or "bootstrap" in text.lower():
+    if _no_initial_peer_answered(exc):
         return (
             "none of the initial peers answered: "
             + ", ".join(network.initial_peers)

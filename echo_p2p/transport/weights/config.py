@@ -128,6 +128,13 @@ class FetcherConfig(BaseModel):
     record_ttl: float = Field(
         default=30.0, gt=0, le=MAX_RECORD_TTL, description="Lifetime (s) of this peer's ProviderRecord"
     )
+    announce_gap: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="Fewest seconds between two ProviderRecord stores: changes within it (a fetch's start, "
+        "its end, the next version's start) go out together, in one store of the newest state",
+    )
     request_timeout: float = Field(
         default=10.0, gt=0, description="Deadline (s) of DHT reads/writes and unary RPCs"
     )

@@ -87,7 +87,10 @@ class WeightFetcher:
         self._weights: PolicyWeights | None = None
         self._lock = threading.Lock()  # guards _weights
         self._update_lock = threading.Lock()  # one fetch at a time
-        self._announce_lock = threading.Lock()
+        self._announce_lock = threading.Lock()  # guards _announce_pending
+        self._store_lock = threading.Lock()  # one ProviderRecord store at a time
+        self._announce_pending = False  # a coalesced store is scheduled and has not read the state yet
+        self._announced_at = -float("inf")  # monotonic time of the last store
         self._stop = threading.Event()
         self._nudged = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -454,12 +457,25 @@ class WeightFetcher:
         )
 
     def _announce_soon(self) -> None:
-        """Announce in the background (in call order; the record reflects the state when it is sent)."""
-        if self.config.serve and not self._stop.is_set():
-            try:
-                self._announcer.submit(self.announce)
-            except RuntimeError:  # shut down meanwhile
-                pass
+        """Announce in the background, coalesced: at most one store per ``announce_gap``, carrying the state
+        when it is sent (every change before it is in it; a change after it schedules the next)."""
+        if not self.config.serve or self._stop.is_set():
+            return
+        with self._announce_lock:
+            if self._announce_pending:
+                return
+            self._announce_pending = True
+        try:
+            self._announcer.submit(self._announce_coalesced)
+        except RuntimeError:  # shut down meanwhile
+            pass
+
+    def _announce_coalesced(self) -> None:
+        self._stop.wait(max(0.0, self._announced_at + self.config.announce_gap - time.monotonic()))
+        with self._announce_lock:
+            self._announce_pending = False  # from here on, a change schedules another store
+        if not self._stop.is_set():
+            self.announce()
 
     def announce(self) -> bool:
         """Store this peer's ProviderRecord now (done by itself after each change and on a heartbeat)."""
@@ -467,7 +483,8 @@ class WeightFetcher:
             return False
         if self.reach is not None and self.reach.current()[1] == "unreachable":
             return False  # nobody could dial us: offering chunks would only cost others failed dials
-        with self._announce_lock:
+        with self._store_lock:
+            self._announced_at = time.monotonic()
             try:
                 return self.directory.announce_provider(self._provider_record(), self.config.record_ttl)
             except Exception as exc:  # announcing is best effort; the heartbeat retries
