@@ -3,7 +3,8 @@
 Runs ``python -m echo_p2p.local`` (the README's run: a bootstrap, a trainer, 2 inference peers, async;
 ``--local-args`` adds flags, e.g. ``--peer-args='--config pacing-off.yaml'``) and, once a second, reads from
 ``/proc`` the CPU time (user + system) of every process it started: each peer's main process, its hivemind
-DHT process (a forked child) and its p2pd daemon, and every thread of them, by thread name. The part of the
+DHT process (a forked child), a trainer's averager processes (forked by hivemind.Optimizer) and its p2pd
+daemon, and every thread of them, by thread name. The part of the
 run after the first training step is reported:
 
 * CPU cores used by each process kind (trainer, its DHT, its p2pd, inference, ...), and CPU-seconds per
@@ -79,7 +80,20 @@ def _kind(pid: int, ppid: int, root: int, kinds: dict[int, str]) -> str:
             return args[args.index("--role") + 1]
         return exe
     parent = kinds.get(ppid, "?").split(" ")[0]
-    return f"{parent} p2pd" if "p2pd" in exe else f"{parent} dht"
+    if "p2pd" in exe:
+        return f"{parent} p2pd"
+    if not exe.startswith("python"):
+        return f"{parent} {exe}"
+    if any(kind == f"{parent} dht" for pid_, kind in kinds.items() if _ppid(pid_) == ppid):
+        return (
+            f"{parent} averager"  # the DHT is forked first; a trainer's optimizer forks its averagers later
+        )
+    return f"{parent} dht"
+
+
+def _ppid(pid: int) -> int | None:
+    st = _stat(f"/proc/{pid}")
+    return None if st is None else st[0]
 
 
 def main() -> None:
@@ -149,8 +163,10 @@ def main() -> None:
     print(f"{'process':<20} {'cores':>6} {'cpu-s/version':>14}")
     for kind, used in rows:
         print(f"{kind:<20} {used / span:6.2f} {used / max(1, versions):14.4f}")
-    machinery = sum(v for k, v in by_kind.items() if k.endswith(("dht", "p2pd")) or k == "bootstrap")
-    print(f"{'DHT + p2pd + bootstrap':<20} {machinery / span:6.2f} {machinery / max(1, versions):14.4f}")
+    machinery = sum(
+        v for k, v in by_kind.items() if k.endswith(("dht", "p2pd", "averager")) or k == "bootstrap"
+    )
+    print(f"{'DHT+p2pd+avg+boot':<20} {machinery / span:6.2f} {machinery / max(1, versions):14.4f}")
     for kind in ("trainer", "inference"):
         top = sorted(by_thread.get(kind, {}).items(), key=lambda kv: -kv[1])[:6]
         print(f"{kind} threads: " + ", ".join(f"{n} {v / span:.2f}" for n, v in top))
