@@ -234,9 +234,11 @@ class InferencePeer(BasePeer):
             self.fetcher.nudge()
 
     def _wait_if_stale(self) -> None:
-        """Async: while the trainers refuse groups of the version held as too stale, every group sampled
-        with it is wasted work: wait (at most ``stale_wait`` s) for a newer version first."""
-        floor = self.pusher.stale_floor
+        """Async: while the trainers refuse groups of the version held as too stale, or would by the time
+        they arrive (``RolloutPusher.useful_floor``: the trainers' acks report their version), every group
+        sampled with it is wasted work: wait (at most ``stale_wait`` s) for a newer version first."""
+        floors = [f for f in (self.pusher.stale_floor, self.pusher.useful_floor()) if f is not None]
+        floor = max(floors) if floors else None
         if floor is None or self.policy_version is None or self.policy_version > floor:
             return
         self.stale_waits += 1

@@ -17,10 +17,12 @@ class FakeFetcher:
         self.nudges += 1
 
 
-def peer(version: int | None, floor: int | None, stale_wait: float = 5.0) -> InferencePeer:
+def peer(
+    version: int | None, floor: int | None, stale_wait: float = 5.0, useful: int | None = None
+) -> InferencePeer:
     p = InferencePeer.__new__(InferencePeer)
     p.section = InferenceSection(stale_wait=stale_wait)
-    p.pusher = type("P", (), {"stale_floor": floor})()
+    p.pusher = type("P", (), {"stale_floor": floor, "useful_floor": lambda self: useful})()
     p.fetcher = FakeFetcher()
     p.policy_version = version
     p.stop_event = threading.Event()
@@ -69,3 +71,19 @@ def test_on_trainer_version_nudges_only_for_a_newer_version():
     assert p.fetcher.nudges == 0
     p._on_trainer_version(6)
     assert p.fetcher.nudges == 1
+
+
+def test_a_version_the_trainer_would_refuse_on_arrival_waits_before_any_refusal():
+    from echo_p2p.transport.rollouts.push import RolloutPusher, _Trainer
+
+    pusher = RolloutPusher(loop=None, directory=None)
+    assert pusher.useful_floor() is None  # nothing known yet: no wait
+    pusher._trainers = {"t": _Trainer("t", [], room=1, stamp=0.0, max_staleness=4)}
+    pusher.trainer_version = 10  # its last ack: a group of version 7 lands at 11, 4 old, the bound
+    assert pusher.useful_floor() == 7
+    p = peer(version=7, floor=None, useful=pusher.useful_floor(), stale_wait=0.3)
+    p._wait_if_stale()
+    assert p.stale_waits == 1 and p.fetcher.nudges == 1  # asked for a newer version instead of sampling
+    p = peer(version=8, floor=None, useful=pusher.useful_floor())
+    p._wait_if_stale()
+    assert p.stale_waits == 0

@@ -89,6 +89,7 @@ class _Trainer:
         None  # its grant to this peer, less what was reserved since (-1: not paced; None: unknown)
     )
     asked_at: float = -float("inf")  # monotonic: when its last ack (push or room query) arrived
+    max_staleness: int | None = None  # as its record says
 
 
 class RolloutPusher:
@@ -212,6 +213,15 @@ class RolloutPusher:
             finally:
                 self._reserving -= 1
                 self.seconds_paced += time.monotonic() - started
+
+    def useful_floor(self) -> int | None:
+        """The newest policy version too old to sample with now, or None: a group of it would reach the
+        trainer (at the version its last ack reported, one more by the time a push lands) already at that
+        trainer's ``max_staleness``, with no version left to wait in its buffer."""
+        staleness = [t.max_staleness for t in list(self._trainers.values()) if t.max_staleness is not None]
+        if self.trainer_version is None or not staleness:
+            return None
+        return self.trainer_version + 1 - min(staleness)
 
     def _take_grant(self, groups: int) -> int:
         """Caller holds the lock: reserve up to ``groups`` of the trainers' grants (largest first)."""
@@ -465,6 +475,7 @@ class RolloutPusher:
                 known = _Trainer(record.peer_id, list(record.maddrs), room, record.updated_at)
             elif record.updated_at > known.stamp:  # a newer announcement than our last ack from it
                 known.room, known.stamp, known.maddrs = room, record.updated_at, list(record.maddrs)
+            known.max_staleness = record.max_staleness
             seen[record.peer_id] = known
         self._trainers = seen
 
