@@ -21,8 +21,8 @@ Every arm gets the same task (``--task``, ``--task-option``), model (tiny), G an
 * trainer idle fraction: co-located, the sampling + scoring share of the step time; decoupled, the seconds
   the trainer waited for rollouts between its first and last step, over that span (``idle_s_total``);
 * inference idle fraction: co-located, the training share of the step time; decoupled, the share of each
-  inference peer's work time spent waiting for weights or for room in a trainer's buffer, averaged over
-  peers. In sync mode the peers sample only when the trainer asks, so that share misses the time spent
+  inference peer's work time spent waiting for weights, for room in a trainer's buffer or for its grant
+  (pacing), averaged over peers. In sync mode the peers sample only when the trainer asks, so that share misses the time spent
   waiting for a request; the ``inf. not sampling`` column (1 - sampling seconds / work seconds) counts every
   second not spent sampling, including that wait. Inference metrics are written every ~10 s, so the last
   few seconds of a run are missing from them;
@@ -157,8 +157,9 @@ def inference_figures(metrics_dir: Path) -> dict[str, Any]:
             work_s = lines[-1]["time"] - lines[0]["time"]
         if not work_s:
             continue
-        wait = (last.get("seconds_waiting_for_weights") or 0.0) + (
-            last.get("seconds_waiting_for_room") or 0.0
+        wait = sum(  # for weights, for an outbox slot, for a trainer's grant (pacing)
+            last.get(key) or 0.0
+            for key in ("seconds_waiting_for_weights", "seconds_waiting_for_room", "seconds_paced")
         )
         waiting.append(min(1.0, wait / work_s))
         tps = last.get("tokens_per_second") or 0.0
@@ -285,7 +286,7 @@ def print_table(results: dict[str, Any]) -> None:
         "sampling+scoring share of step time; decoupled = seconds the trainer waited for rollouts between its first "
         "and last step over that span.\n"
         "inf. idle: co-located = training share; decoupled = share of each inference peer's work time spent "
-        "waiting for weights or for buffer room (mean over peers; in sync mode this misses the wait for "
+        "waiting for weights, buffer room or a grant (mean over peers; in sync mode this misses the wait for "
         "sample requests).\ninf. not sampling: 1 - sampling seconds / work seconds (includes that wait). "
         f"reward@end: mean of the last {WINDOW} steps; reward@{n} upd: mean over steps [{max(0, n - WINDOW)}, {n})."
     )
