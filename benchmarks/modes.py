@@ -10,7 +10,7 @@ Each arm runs the real entry point as a subprocess, one arm after another, for `
   ceiling of what a decoupled trainer can consume (its reward means nothing). The decoupled arms are shown
   against it (rollouts/s, and seconds per update: the swarm's tax on the trainer);
 * ``sync`` / ``async``: ``python -m echo_p2p.local --mode sync|async --duration S --inference N`` (a
-  bootstrap, 1 trainer, N inference peers on 127.0.0.1, one torch thread each, inference peers niced;
+  bootstrap, 1 trainer, N inference peers on 127.0.0.1, one torch thread each;
   trainer metrics ``trainer-*.jsonl`` per step, inference metrics ``inference-*.jsonl`` every ~10 s).
 
 Every arm gets the same task (``--task``, ``--task-option``), model (tiny), G and prompts per step
