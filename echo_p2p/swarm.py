@@ -35,16 +35,21 @@ def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
     def fmt(v: Any, spec: str = "") -> str:
         return "-" if v is None else format(v, spec)
 
-    header = f"{'PEER ID':<20} {'ROLE':<10} {'STATE':<8} {'MODE':<5} {'VER':>5} {'TOK/S':>8} {'ROLL/S':>7} {'ROOM':>5} {'SEEN':>6}"
+    header = f"{'PEER ID':<20} {'ROLE':<10} {'STATE':<8} {'MODE':<5} {'VER':>5} {'TOK/S':>8} {'ROLL/S':>7} {'ROOM':>5} {'WAIT':>5} {'SEEN':>6}"
     lines = [f"run {run_id}: {len(rows)} peer(s)", header]
     for r in rows:
         state = "IMPOSTOR" if r.get("trusted") is False else r["state"]
         lines.append(
             f"{'…' + r['peer_id'][-19:]:<20} {r['role']:<10} {state:<8} {fmt(r['mode']):<5} "
             f"{fmt(r['policy_version']):>5} {fmt(r['tokens_per_second'], '.1f'):>8} "
-            f"{fmt(r['rollouts_per_second'], '.2f'):>7} {fmt(r['free_buffer_room']):>5} {fmt(r['last_seen_s'], '.0f'):>5}s"
+            f"{fmt(r['rollouts_per_second'], '.2f'):>7} {fmt(r['free_buffer_room']):>5} {_share(r.get('waiting_for_grants')):>5} "
+            f"{fmt(r['last_seen_s'], '.0f'):>5}s"
         )
     return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
 
 
 def format_alerts(status: dict[str, Any]) -> str:

@@ -31,7 +31,13 @@ ALERTS: dict[str, tuple[str, str]] = {
     "impostor": ("warning", "peers announce themselves trainers without being in the run record"),
     "banned_peers": ("info", "the run's trainers banned senders (e.g. for lying about log-probs)"),
     "buffer_empty": ("warning", "a trainer's replay buffer stayed empty and it consumed nothing"),
+    "samplers_waiting": (
+        "info",
+        "most inference peers wait for the trainers' grants most of the time: the run needs no more samplers",
+    ),
 }
+#: Share of its time an inference peer waits for grants above which it counts as waiting (samplers_waiting).
+WAITING_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,26 @@ def _buffer_empty(status: dict, config: MonitorConfig, timers: Timers | None) ->
     )
 
 
+def _samplers_waiting(status: dict, config: MonitorConfig, timers: Timers | None) -> dict | None:
+    samplers = [
+        p
+        for p in status.get("peers") or []
+        if p.get("role") == "inference"
+        and p.get("waiting_for_grants") is not None
+        and p.get("trusted") is not False
+    ]
+    waiting = [p for p in samplers if p["waiting_for_grants"] > WAITING_SHARE]
+    if not samplers or 2 * len(waiting) <= len(samplers):
+        return None
+    mean = sum(p["waiting_for_grants"] for p in samplers) / len(samplers)
+    return alert(
+        "samplers_waiting",
+        f"{len(waiting)} of {len(samplers)} inference peers wait for the trainers' grants most of the time "
+        f"({100 * mean:.0f}% on average): the run needs no more samplers, its trainers would use more",
+        [p["peer_id"] for p in waiting],
+    )
+
+
 RULES: tuple[Callable[[dict, MonitorConfig, Timers | None], dict | None], ...] = (
     _dht_unreachable,
     _no_trainer,
@@ -161,6 +187,7 @@ RULES: tuple[Callable[[dict, MonitorConfig, Timers | None], dict | None], ...] =
     _impostor,
     _banned_peers,
     _buffer_empty,
+    _samplers_waiting,
 )
 
 

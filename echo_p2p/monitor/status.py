@@ -123,6 +123,7 @@ def peer_rows(entries, now: float, trust=None, newest: int | None = None) -> lis
                 "reward_mean": num(r.reward_mean, 4),
                 "max_staleness": num(r.max_staleness),
                 "chunks_served": num(r.chunks_served),
+                "waiting_for_grants": num(r.waiting_for_grants, 3),
                 "last_seen_s": num(round(max(0.0, now - r.updated_at), 1)),
                 "uptime_s": num(round(max(0.0, now - r.started_at), 1)),
                 "expires_in_s": num(round(entry.expires_at - now, 1)),

@@ -154,6 +154,13 @@ class PeerRecord(WireRecord):
     chunks_served: int | None = Field(
         default=None, ge=0, description="Policy chunks this peer served to others since it started"
     )
+    waiting_for_grants: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Inference (async): share of its recent time spent waiting for a trainer's grant (pacing); "
+        "near 1, the run needs no more samplers",
+    )
 
 
 class ProviderRecord(WireRecord):

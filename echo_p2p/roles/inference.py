@@ -47,6 +47,10 @@ class InferencePeer(BasePeer):
         self._started_work = time.monotonic()
         #: Progress callback of weight fetches (the CLI sets a bar / log reporter); None: silent.
         self.on_weights_progress = None
+        self.waiting_for_grants: float | None = None  # recent share of time waiting for a grant (announced)
+        self._paced_mark: tuple[float, float] | None = (
+            None  # (monotonic, pusher.seconds_paced) at the last look
+        )
 
     # ---- setup ------------------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -282,7 +286,25 @@ class InferencePeer(BasePeer):
             "tokens_per_second": self.tokens_per_second,
             "rollouts_per_second": self.rollouts_per_second,
             "chunks_served": served,
+            "waiting_for_grants": self._waiting_share(),
         }
+
+    def _waiting_share(self) -> float | None:
+        """Share of the time since the last look (at least 1 s ago) spent waiting for a trainer's grant,
+        smoothed over looks: what ``swarm status`` shows and the ``samplers_waiting`` alert reads."""
+        if self.pusher is None:
+            return None
+        now, paced = time.monotonic(), self.pusher.seconds_paced
+        if self._paced_mark is None:
+            self._paced_mark = (now, paced)
+            return None
+        since, paced_then = self._paced_mark
+        if now - since >= 1.0:
+            share = min(1.0, max(0.0, (paced - paced_then) / (now - since)))
+            previous = self.waiting_for_grants
+            self.waiting_for_grants = share if previous is None else 0.5 * previous + 0.5 * share
+            self._paced_mark = (now, paced)
+        return None if self.waiting_for_grants is None else round(self.waiting_for_grants, 3)
 
     def figures(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -87,3 +87,20 @@ def test_a_version_the_trainer_would_refuse_on_arrival_waits_before_any_refusal(
     p = peer(version=8, floor=None, useful=pusher.useful_floor())
     p._wait_if_stale()
     assert p.stale_waits == 0
+
+
+def test_the_announced_waiting_share_follows_the_time_spent_waiting_for_grants(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("echo_p2p.roles.inference.time.monotonic", lambda: clock[0])
+    p = peer(version=7, floor=None)
+    p.pusher.seconds_paced = 0.0
+    p.waiting_for_grants, p._paced_mark = None, None
+    assert p._waiting_share() is None  # the first look only marks
+    clock[0] += 2.0
+    p.pusher.seconds_paced = 1.5  # waited 1.5 s of 2
+    assert p._waiting_share() == 0.75
+    clock[0] += 0.5
+    assert p._waiting_share() == 0.75  # less than a second later: unchanged
+    clock[0] += 1.5
+    p.pusher.seconds_paced = 1.5  # sampled the whole time since
+    assert p._waiting_share() == 0.375  # smoothed: half the old share, half the new

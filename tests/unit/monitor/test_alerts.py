@@ -72,6 +72,18 @@ def test_peer_lagging_fires_for_inference_peers_past_the_staleness_bound_only():
     assert evaluate(status(peers=peers), CONFIG) == []
 
 
+def test_samplers_waiting_fires_when_most_inference_peers_mostly_wait_for_grants():
+    peers = [row(TRAINER, "trainer"), row(INF_A, waiting_for_grants=0.7), row(INF_B, waiting_for_grants=0.2)]
+    assert evaluate(status(peers=peers), CONFIG) == []  # one of two: not most
+    peers[2]["waiting_for_grants"] = 0.6
+    alerts = evaluate(status(peers=peers), CONFIG)
+    assert codes(alerts) == ["samplers_waiting"] and alerts[0]["severity"] == "info"
+    assert sorted(alerts[0]["peers"]) == sorted([INF_A, INF_B])
+    assert "65% on average" in alerts[0]["message"] and "no more samplers" in alerts[0]["message"]
+    peers[1]["waiting_for_grants"] = peers[2]["waiting_for_grants"] = None  # sync peers, or not yet measured
+    assert evaluate(status(peers=peers), CONFIG) == []
+
+
 def test_untrusted_manifests_fires_for_policy_records_of_keys_the_run_does_not_trust():
     pubs = [
         {"peer_id": TRAINER, "version": 10, "trusted": True},
