@@ -250,11 +250,11 @@ class RolloutIngestServicer(ServicerBase):
             if refusal is not None:
                 self._count_refusal(sender, refusal.split(":", 1)[0])
                 if not messages:
-                    return rollouts_pb2.PushAck(
+                    return rollouts_pb2.PushAck(  # a refused sender is granted nothing
                         error=refusal,
                         free_room=self._free_room(),
                         policy_version=self._version(),
-                        wanted=self._wanted(sender),
+                        wanted=-1 if self.pacer is None else 0,
                     )
             if not messages and refusal is None:
                 return await self._room_query(sender)

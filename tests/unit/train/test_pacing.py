@@ -74,3 +74,23 @@ def test_senders_that_stopped_asking_leave_the_split():
     p.grant("b", usable=2 * B, proven=True, now=0.0)
     assert p.grant("a", usable=B, proven=True, now=1.0) == B // 2  # b still counts
     assert p.grant("a", usable=B, proven=True, now=7.0) == B  # b left the window (and a's grant was replaced)
+
+
+def test_the_ingest_grants_room_queries_and_never_a_refused_sender():
+    import asyncio
+
+    from echo_p2p.train.buffer import ReplayBuffer
+    from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
+
+    p = pacer(query_wait=0.2)
+    servicer = RolloutIngestServicer(lambda g: None, ReplayBuffer(64, S), current_version=lambda: 7, pacer=p)
+    try:
+        ack = asyncio.run(servicer._answer("banned-one", [], "banned: this trainer banned the sender"))
+        assert ack.error.startswith("banned") and ack.wanted == 0 and p.outstanding() == 0
+        ack = asyncio.run(servicer._answer("newcomer", [], None))  # a room query: answered with a grant
+        assert ack.wanted == 4 and ack.policy_version == 7 and servicer.stats()["queries"] == 1
+        unpaced = RolloutIngestServicer(lambda g: None, ReplayBuffer(64, S))
+        assert asyncio.run(unpaced._answer("x", [], None)).wanted == -1  # not paced: sample freely
+        unpaced.shutdown()
+    finally:
+        servicer.shutdown()
