@@ -315,7 +315,8 @@ def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | No
             stale = summary.dropped_stale + summary.refused_at_ingest.get("too_stale", 0)
             summary.stale_fraction = stale / summary.groups_sampled
     if summary is not None and start is not None and runs.lines:
-        summary.first_step_seconds = max(0.0, runs.merged()[0]["time"] - start)
+        first = min(lines[0]["time"] for lines in runs.lines.values())  # each file's lines are by time
+        summary.first_step_seconds = max(0.0, first - start)
     written: dict[str, Any] = {"summary": summary.as_dict() if summary else None}
     (out_dir / "summary.json").write_text(json.dumps(written["summary"], indent=2) + "\n")
     written["summary_path"] = str(out_dir / "summary.json")

@@ -192,8 +192,9 @@ def _guard_pipes(dht) -> None:
 
 
 def _no_initial_peer_answered(exc: Exception) -> bool:
-    text = str(exc)
-    return "failed to connect to bootstrap peers" in text or "bootstrap" in text.lower()
+    """hivemind's and p2pd's errors when no initial peer answers ("failed to connect to bootstrap peers",
+    "DHTNode bootstrap failed") all name the bootstrap."""
+    return "bootstrap" in str(exc).lower()
 
 
 def _explain_start_error(exc: Exception, network: NetworkConfig) -> str:

@@ -48,9 +48,8 @@ class InferencePeer(BasePeer):
         #: Progress callback of weight fetches (the CLI sets a bar / log reporter); None: silent.
         self.on_weights_progress = None
         self.waiting_for_grants: float | None = None  # recent share of time waiting for a grant (announced)
-        self._paced_mark: tuple[float, float] | None = (
-            None  # (monotonic, pusher.seconds_paced) at the last look
-        )
+        # (monotonic, pusher.seconds_paced) at the last look
+        self._paced_mark: tuple[float, float] | None = None
 
     # ---- setup ------------------------------------------------------------------------------------------
     def on_start(self) -> None:

@@ -85,9 +85,8 @@ class _Trainer:
     bad_until: float = 0.0  # monotonic
     failures: int = 0  # failed pushes in a row (the back-off grows with them)
     recheck_at: float = float("inf")  # monotonic: when a trainer that said "full" is probed again
-    wanted: int | None = (
-        None  # its grant to this peer, less what was reserved since (-1: not paced; None: unknown)
-    )
+    # its grant to this peer, less what was reserved since (-1: not paced; None: unknown)
+    wanted: int | None = None
     asked_at: float = -float("inf")  # monotonic: when its last ack (push or room query) arrived
     max_staleness: int | None = None  # as its record says
 
@@ -300,9 +299,7 @@ class RolloutPusher:
             return
         trainer = self._choose()
         if trainer is None:
-            started = time.monotonic()
-            self._stop.wait(self.config.idle_wait)
-            self.seconds_without_trainer += time.monotonic() - started
+            self._wait_for_a_trainer()
             return
         with self._cond:
             size = min(self.config.batch_groups, len(self._pending), max(1, trainer.room))
@@ -329,6 +326,11 @@ class RolloutPusher:
                 self._pending.extendleft(reversed(requeue))
                 self._cond.notify_all()
 
+    def _wait_for_a_trainer(self) -> None:
+        started = time.monotonic()
+        self._stop.wait(self.config.idle_wait)
+        self.seconds_without_trainer += time.monotonic() - started
+
     def _failed(self, trainer: _Trainer) -> None:
         self.counters["failed_pushes"] += 1
         trainer.failures += 1
@@ -338,14 +340,11 @@ class RolloutPusher:
     def _query_room(self) -> None:
         """The sampling thread waits for a grant: ask the trainer heard from least recently (a push of no
         payload; a pacing trainer answers once it wants groups from us, or after its ``query_wait``)."""
-        if time.monotonic() - self._refreshed_at >= self.config.refresh_period:
-            self._refresh()
+        self._refresh_if_due()
         now = time.monotonic()
         usable = [t for t in self._trainers.values() if t.bad_until <= now]
         if not usable:
-            started = time.monotonic()
-            self._stop.wait(self.config.idle_wait)
-            self.seconds_without_trainer += time.monotonic() - started
+            self._wait_for_a_trainer()
             return
         trainer = min(usable, key=lambda t: t.asked_at)
         try:
@@ -439,8 +438,7 @@ class RolloutPusher:
 
     def _choose(self) -> _Trainer | None:
         """The trainer with the most free room now (random among ties), or None."""
-        if time.monotonic() - self._refreshed_at >= self.config.refresh_period:
-            self._refresh()
+        self._refresh_if_due()
         now = time.monotonic()
         usable = [t for t in self._trainers.values() if t.bad_until <= now and t.room > 0]
         if not usable:  # nobody announced room: probe a trainer that said "full" a while ago
@@ -450,6 +448,10 @@ class RolloutPusher:
             return random.choice(usable) if usable else None
         best = max(t.room for t in usable)
         return random.choice([t for t in usable if t.room == best])
+
+    def _refresh_if_due(self) -> None:
+        if time.monotonic() - self._refreshed_at >= self.config.refresh_period:
+            self._refresh()
 
     def _refresh(self) -> None:
         self._refreshed_at = time.monotonic()

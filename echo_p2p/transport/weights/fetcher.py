@@ -10,7 +10,8 @@ fetched included) and announces itself as a provider (peer-assisted distribution
 it is asked only for chunks no other provider holds or is fetching, and hands different chunks to
 different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself (scheduling,
 streams, retries, bans) is ``session``; the settings, counters and reports (``FetcherConfig``,
-``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``.
+``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``; the provider record's coalesced stores
+are ``announce``.
 Callers: the inference peer (``update`` / ``ensure_version`` / ``follow``),
 benchmarks, tests. Bad input from peers is counted by reason in ``stats()``, never raised to the caller.
 """
@@ -32,6 +33,7 @@ from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.trust import TrustedTrainers, check_manifest
+from echo_p2p.transport.weights.announce import CoalescedStore
 from echo_p2p.transport.weights.chain import PlanError, plan_chain  # re-exported, part of this API
 from echo_p2p.transport.weights.config import (  # re-exported, part of this API
     FetcherConfig,
@@ -87,14 +89,12 @@ class WeightFetcher:
         self._weights: PolicyWeights | None = None
         self._lock = threading.Lock()  # guards _weights
         self._update_lock = threading.Lock()  # one fetch at a time
-        self._announce_lock = threading.Lock()  # guards _announce_pending
-        self._store_lock = threading.Lock()  # one ProviderRecord store at a time
-        self._announce_pending = False  # a coalesced store is scheduled and has not read the state yet
-        self._announced_at = -float("inf")  # monotonic time of the last store
         self._stop = threading.Event()
         self._nudged = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._announcer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="provider-announce")
+        self._announcer = CoalescedStore(
+            self._store_provider_record, self.config.announce_gap, self._stop, "provider-announce"
+        )
         # digests are checked in one thread: at most one core hashes, the streams and p2pd keep the others
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chunk-verifier")
         self.book = ProviderBook(
@@ -232,7 +232,7 @@ class WeightFetcher:
         for thread in self._threads:
             thread.join(timeout=self.config.request_timeout + 1)
         self._threads.clear()
-        self._announcer.shutdown(wait=True, cancel_futures=True)
+        self._announcer.shutdown()
         self._verifier.shutdown(wait=True, cancel_futures=True)
         if self._own_endpoint:
             self.endpoint.shutdown(timeout)
@@ -457,39 +457,25 @@ class WeightFetcher:
         )
 
     def _announce_soon(self) -> None:
-        """Announce in the background, coalesced: at most one store per ``announce_gap``, carrying the state
-        when it is sent (every change before it is in it; a change after it schedules the next)."""
-        if not self.config.serve or self._stop.is_set():
-            return
-        with self._announce_lock:
-            if self._announce_pending:
-                return
-            self._announce_pending = True
-        try:
-            self._announcer.submit(self._announce_coalesced)
-        except RuntimeError:  # shut down meanwhile
-            pass
-
-    def _announce_coalesced(self) -> None:
-        self._stop.wait(max(0.0, self._announced_at + self.config.announce_gap - time.monotonic()))
-        with self._announce_lock:
-            self._announce_pending = False  # from here on, a change schedules another store
-        if not self._stop.is_set():
-            self.announce()
+        """Announce in the background, coalesced (``announce.CoalescedStore``: one store per ``announce_gap``
+        at most, with the state when it is sent)."""
+        if self.config.serve:
+            self._announcer.soon()
 
     def announce(self) -> bool:
         """Store this peer's ProviderRecord now (done by itself after each change and on a heartbeat)."""
+        return self._announcer.now()
+
+    def _store_provider_record(self) -> bool:
         if not self.config.serve:
             return False
         if self.reach is not None and self.reach.current()[1] == "unreachable":
             return False  # nobody could dial us: offering chunks would only cost others failed dials
-        with self._store_lock:
-            self._announced_at = time.monotonic()
-            try:
-                return self.directory.announce_provider(self._provider_record(), self.config.record_ttl)
-            except Exception as exc:  # announcing is best effort; the heartbeat retries
-                logger.debug("provider announcement failed: %r", exc)
-                return False
+        try:
+            return self.directory.announce_provider(self._provider_record(), self.config.record_ttl)
+        except Exception as exc:  # announcing is best effort; the heartbeat retries
+            logger.debug("provider announcement failed: %r", exc)
+            return False
 
     def _announce_loop(self) -> None:
         while not self._stop.wait(self.config.record_ttl / 3):
