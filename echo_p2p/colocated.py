@@ -5,7 +5,8 @@ hyper-parameters as a swarm run, but generation and GRPO updates time-share one 
 inference idles while the learner trains and vice versa. Every step: draw ``prompts_per_step`` prompts,
 sample ``group_size`` completions of each with ``TransformersEngine`` under the current policy, score them
 with the task's verifier, build ``ScoredGroup``s (policy version = step, staleness 0) and take one
-``Learner.step`` with AdamW. Each step's figures (wall time, sampling and training seconds, reward mean and
+``Learner.step`` with AdamW (with ``grpo.kl_beta`` > 0, ``--kl-beta``, the KL penalty to a frozen copy of
+the starting policy, ``train.reference``, reported as ``kl``). Each step's figures (wall time, sampling and training seconds, reward mean and
 std, rollouts consumed) go to ``<metrics_dir>/colocated-<name>.jsonl`` in the format of
 ``echo_p2p.metrics``, so a benchmark can put the baseline's curve and idle fractions next to the swarm's.
 
@@ -132,6 +133,7 @@ class ColocatedTrainer:
         from echo_p2p.ml.models import load_policy
         from echo_p2p.tasks import build_task
         from echo_p2p.train.learner import Learner
+        from echo_p2p.train.reference import reference_policy
 
         self.config = config
         self.stop_event = threading.Event()
@@ -143,7 +145,8 @@ class ColocatedTrainer:
         grpo = config.grpo
         if self.tokenizer.pad_token_id is not None and grpo.pad_token_id != self.tokenizer.pad_token_id:
             grpo = grpo.model_copy(update={"pad_token_id": int(self.tokenizer.pad_token_id)})
-        self.learner = Learner(self.model, grpo)
+        reference = reference_policy(self.model, grpo.policy_precision) if grpo.kl_beta > 0 else None
+        self.learner = Learner(self.model, grpo, ref_model=reference)
         self.optimizer = self.learner.make_optimizer()
         self.engine = TransformersEngine(self.model, self.tokenizer)
         self.sampling = config.sampling or SamplingParams(
@@ -264,6 +267,8 @@ class ColocatedTrainer:
                 "completion_len_mean": stats.get("completion_len_mean_seq", 0.0),
                 "frac_zero_adv_groups": stats["frac_zero_adv_groups"],
             }
+            if "kl" in stats:  # the KL to the starting policy (kl_beta > 0)
+                record["kl"] = stats["kl"]
             self.records.append(record)
             self.metrics.write(self.version, **record)
             if step % cfg.log_every == 0:
@@ -323,6 +328,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling (and loss) temperature")
     p.add_argument("--micro-batch-size", type=int, default=DEFAULT_GRPO["micro_batch_size"])
+    p.add_argument(
+        "--kl-beta",
+        type=float,
+        default=0.0,
+        help="KL penalty to the starting policy (TRL's beta; default 0: no reference model)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--log-every", type=int, default=25)
@@ -345,7 +356,12 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
         task_options=dict(args.task_option),
         group_size=args.group_size,
         prompts_per_step=args.prompts_per_step,
-        grpo=dict(lr=_lr(args), temperature=args.temperature, micro_batch_size=args.micro_batch_size),
+        grpo=dict(
+            lr=_lr(args),
+            temperature=args.temperature,
+            micro_batch_size=args.micro_batch_size,
+            kl_beta=args.kl_beta,
+        ),
         steps=args.steps or None,
         duration=args.duration,
         seed=args.seed,

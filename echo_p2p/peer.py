@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-steps", type=int, default=None, help="stop after this many training steps")
     tr.add_argument("--lr", type=float, default=None, help="learning rate of the trainers' AdamW")
     tr.add_argument(
+        "--kl-beta",
+        type=float,
+        default=None,
+        help="KL penalty to the starting policy (TRL's beta; default 0: no reference model)",
+    )
+    tr.add_argument(
         "--prompts-per-step", type=int, default=None, help="rollout groups per GRPO step (default 16)"
     )
     tr.add_argument(
@@ -166,6 +172,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.resume": args.resume,
         "trainer.max_steps": args.max_steps,
         "trainer.collab.lr": args.lr,
+        "trainer.grpo.kl_beta": args.kl_beta,
         "trainer.max_staleness": args.max_staleness,
         "trainer.publish_interval": args.publish_interval,
         "trainer.prompts_per_step": args.prompts_per_step,

@@ -78,6 +78,7 @@ class TrainerPeer(BasePeer):
         from echo_p2p.train.checkpoint import CheckpointManager
         from echo_p2p.train.ingest import IngestConfig, IngestValidator
         from echo_p2p.train.learner import Learner
+        from echo_p2p.train.reference import reference_policy
         from echo_p2p.transport.collab_optimizer import CollabTrainerStep, make_collab_optimizer
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollouts.config import rollout_namespace
@@ -101,7 +102,10 @@ class TrainerPeer(BasePeer):
                 "max_logprob_gap": section.reputation.exclude_logprob_gap,
             }
         )
-        self.learner = Learner(self.model, grpo)
+        # the KL penalty's reference: the starting policy, built from the run's model spec before any
+        # checkpoint or other trainer's state is loaded (the same on a resumed or late trainer)
+        reference = reference_policy(self.model, grpo.policy_precision) if grpo.kl_beta > 0 else None
+        self.learner = Learner(self.model, grpo, ref_model=reference)
         self.trackers = open_trackers(
             section.report,
             os.path.join(self.config.metrics_dir or "runs", "tensorboard"),

@@ -98,7 +98,10 @@ class GRPOConfig(BaseModel):
     kl_beta: float = Field(
         default=0.0,
         ge=0,
-        description="Coefficient of the k3 KL penalty to a reference policy; > 0 needs ``ref_model``.",
+        description="TRL's ``beta``: coefficient of the per-token k3 KL penalty to a reference policy, "
+        "``exp(ref - logp) - (ref - logp) - 1``, added to each completion token's loss and reported as ``kl``. "
+        "> 0: trainer peers and the co-located loop keep a frozen copy of the starting policy "
+        "(``train.reference``; one more copy of the model's parameters). 0: no reference is built.",
     )
     temperature: float = Field(
         default=1.0,

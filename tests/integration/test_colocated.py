@@ -107,3 +107,28 @@ def test_standalone_trainer_trains_on_a_pool_sampled_before_the_clock(tmp_path: 
     assert len(records) == 5 and all(r["sampling_s"] == 0 and r["training_s"] > 0 for r in records)
     assert [id(g) for g in trained] == [id(trained[0]), id(trained[1])] * 2 + [id(trained[0])]
     assert trained[0] is not trained[1] and records[-1]["rollouts_consumed"] == 10
+
+
+def test_kl_penalty_trains_against_a_frozen_copy_of_the_starting_policy(tmp_path: Path) -> None:
+    """``--kl-beta`` > 0 (TRL's ``beta``): the loop builds the reference, trains, and reports ``kl``: 0 at the
+    first step (the policy is the reference), then positive as the policy moves away from it."""
+    import torch
+
+    from echo_p2p.colocated import ColocatedTrainer, config_from_args, parse_args
+
+    args = parse_args(["--kl-beta", "0.04", "--steps", "6", "--threads", "1", "--prompts-per-step", "4"])
+    args.metrics_dir = str(tmp_path)
+    config = config_from_args(args)
+    assert config.grpo.kl_beta == 0.04
+    trainer = ColocatedTrainer(config)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    records = trainer.run()
+    assert len(records) == 6 and all("kl" in r for r in records)
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert records[-1]["kl"] > 1e-5
+    reference = trainer.learner.ref_model
+    assert all(torch.equal(p, start[n]) for n, p in reference.named_parameters())
+    assert [r["kl"] for r in read_metrics(str(tmp_path / "colocated-baseline.jsonl"))] == [
+        r["kl"] for r in records
+    ]
+    assert "kl" not in ColocatedTrainer(config_from_args(parse_args(["--steps", "1"]))).run()[0]

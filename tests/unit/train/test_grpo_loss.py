@@ -204,6 +204,31 @@ def test_k3_kl_is_zero_for_identical_policies_and_hand_computed_otherwise() -> N
     assert stats["kl"] == pytest.approx((math.exp(0.5) - 0.5 - 1) / 2, abs=1e-6)
 
 
+@pytest.mark.parametrize("objective", ["ppo", "decoupled"])
+def test_kl_penalty_adds_beta_k3_per_token_to_the_loss_and_its_gradient(objective) -> None:
+    """TRL's ``beta`` with the k3 estimator, per completion token: loss_t = -A r_t + beta (e^d - d - 1),
+    d = ref - logp; on-policy (r = 1 in value), token_mean over the 3 completion tokens. Hand-computed:
+    d = (0.5, -0.2, 0.0) on the completion tokens, k3 = (e^0.5 - 1.5, e^-0.2 - 0.8, 0);
+    d loss / d logp_t = (-A + beta (1 - e^d)) / 3."""
+    beta = 0.1
+    logp = torch.tensor([[0.0, -1.0, -2.0, -0.5, -3.0]], requires_grad=True)
+    ref = torch.tensor([[9.0, -0.5, -2.2, -0.5, -1.0]])  # position 0 and the padding at 4 are masked
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    adv = torch.tensor([0.5])
+    loss, stats = grpo_loss(
+        logp, logp.detach(), adv, mask, ref_logprobs=ref, kl_beta=beta, objective=objective
+    )
+    k3 = [math.exp(0.5) - 1.5, math.exp(-0.2) - 0.8, 0.0]
+    assert stats["kl"] == pytest.approx(sum(k3) / 3, abs=1e-6)
+    assert loss.item() == pytest.approx((-0.5 * 3 + beta * sum(k3)) / 3, abs=1e-6)
+    loss.backward()
+    expected = [0.0] + [(-0.5 + beta * (1 - math.exp(d))) / 3 for d in (0.5, -0.2, 0.0)] + [0.0]
+    torch.testing.assert_close(logp.grad[0], torch.tensor(expected), atol=1e-6, rtol=0)
+    # beta = 0 with a reference: the KL is reported, not in the loss
+    loss0, stats0 = grpo_loss(logp.detach(), logp.detach(), adv, mask, ref_logprobs=ref, kl_beta=0.0)
+    assert stats0["kl"] == pytest.approx(stats["kl"]) and loss0.item() == pytest.approx(-0.5, abs=1e-6)
+
+
 def test_kl_beta_without_reference_is_an_error() -> None:
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError):
