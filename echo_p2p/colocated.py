@@ -131,6 +131,7 @@ class ColocatedTrainer:
         from echo_p2p.metrics import MetricsWriter
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
+        from echo_p2p.ml.tokenizer import check_chat_template
         from echo_p2p.tasks import build_task
         from echo_p2p.train.learner import Learner
         from echo_p2p.train.reference import reference_policy
@@ -142,6 +143,7 @@ class ColocatedTrainer:
         torch.manual_seed(config.seed)
         self.task = build_task(config.task, config.task_options)
         self.model, self.tokenizer = load_policy(config.model)
+        check_chat_template(self.tokenizer, self.task.conversational, config.model.use_chat_template)
         grpo = config.grpo
         if self.tokenizer.pad_token_id is not None and grpo.pad_token_id != self.tokenizer.pad_token_id:
             grpo = grpo.model_copy(update={"pad_token_id": int(self.tokenizer.pad_token_id)})

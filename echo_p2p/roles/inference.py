@@ -54,6 +54,7 @@ class InferencePeer(BasePeer):
     # ---- setup ------------------------------------------------------------------------------------------
     def on_start(self) -> None:
         from echo_p2p.ml.models import load_policy
+        from echo_p2p.ml.tokenizer import check_chat_template
         from echo_p2p.tasks import build_task
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollouts.config import rollout_namespace
@@ -85,6 +86,7 @@ class InferencePeer(BasePeer):
 
             model, self.tokenizer = load_policy(run.model)
             self.engine = TransformersEngine(model, self.tokenizer)
+        check_chat_template(self.tokenizer, self.task.conversational, run.model.use_chat_template)
         self.fetcher = WeightFetcher(
             self.dht,
             self.identity,

@@ -46,6 +46,10 @@ class Task(ABC):
     #: Completion length cap the task needs (EOS included).
     max_new_tokens: int
 
+    #: Whether ``prompt`` returns conversations (lists of ``{"role", "content"}`` messages, rendered with the
+    #: model's chat template) instead of texts: only a plug-in task's conversational prompts do.
+    conversational: bool = False
+
     @property
     @abstractmethod
     def num_prompts(self) -> int | None:
@@ -53,8 +57,9 @@ class Task(ABC):
         (any id in ``0 .. 2**31 - 1`` is valid)."""
 
     @abstractmethod
-    def prompt(self, prompt_id: int) -> str:
-        """The prompt text of ``prompt_id`` (deterministic)."""
+    def prompt(self, prompt_id: int) -> str | list[dict[str, str]]:
+        """The prompt of ``prompt_id`` (deterministic): a text, or a list of messages when ``conversational``.
+        Peers turn it into token ids with ``ml.tokenizer.encode_prompts`` only."""
 
     @abstractmethod
     def score(self, prompt_id: int, completion_text: str) -> float:

@@ -5,7 +5,10 @@ named by import path (``"module:function"`` or ``"path/to/file.py:function"``, `
 with TRL's GRPO signature ``f(prompts, completions, **kwargs) -> list[float | None]``, weighted like TRL's
 ``GRPOConfig.reward_funcs`` / ``reward_weights`` (``tasks.plugin_rewards``: what a function receives, how
 values combine and where that differs from TRL). The prompts come from a JSONL file or a ``datasets``
-directory; every other column is passed to the functions, one value per completion, as TRL does.
+directory; every other column is passed to the functions, one value per completion, as TRL does. Prompts
+are texts or, in TRL's conversational format, lists of ``{"role", "content"}`` messages (``conversational``):
+peers render those with the model's chat template, and the functions then receive them as ``prompts`` and
+each completion as ``[{"role": "assistant", "content": text}]``, as TRL passes them.
 Called through the registry. Must not import torch. A reward function that raises or returns garbage must not
 crash a peer: its term counts 0 and the problem is logged once. Rewards are any finite float: nothing clips
 them to [0, 1]; only values beyond ``rollout.MAX_ABS_REWARD`` (1e6, the wire bound) are clipped to it.
@@ -14,7 +17,7 @@ them to [0, 1]; only values beyond ``rollout.MAX_ABS_REWARD`` (1e6, the wire bou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
@@ -45,7 +48,11 @@ class PluginOptions(TaskOptions):
         description="One weight per reward function, in order (TRL's reward_weights); None: all 1.0",
     )
     prompts: str = Field(description="A .jsonl file or a datasets.save_to_disk directory")
-    prompt_column: str = Field(default="prompt", description="Column holding the prompt text")
+    prompt_column: str = Field(
+        default="prompt",
+        description="Column holding the prompt: a text, or a list of {role, content} messages (TRL's "
+        "conversational format, rendered with the model's chat template)",
+    )
     split: str | None = Field(default=None, description="Split of a saved DatasetDict (default: 'train')")
     max_new_tokens: int = Field(default=64, ge=1, description="Completion cap")
 
@@ -82,6 +89,7 @@ class PluginTask(Task):
         self.options = options
         self.max_new_tokens = options.max_new_tokens
         self.rows = load_prompt_rows(options.prompts, options.prompt_column, options.split)
+        self.conversational = isinstance(self.rows[0][options.prompt_column], list)
         columns = {k for row in self.rows for k in row} - {options.prompt_column} - set(DROPPED_COLUMNS)
         clash = sorted(columns & set(PASSED_ARGUMENTS))
         if clash:
@@ -101,8 +109,9 @@ class PluginTask(Task):
     def num_prompts(self) -> int:
         return len(self.rows)
 
-    def prompt(self, prompt_id: int) -> str:
-        return self.rows[self.check_prompt_id(prompt_id)][self.options.prompt_column]
+    def prompt(self, prompt_id: int) -> str | list[dict[str, str]]:
+        prompt = self.rows[self.check_prompt_id(prompt_id)][self.options.prompt_column]
+        return [dict(m) for m in prompt] if self.conversational else prompt  # a copy: the rows stay as read
 
     def score(self, prompt_id: int, completion_text: str) -> float:
         """The reward of one completion, without its token ids (a function reading ``completion_ids`` gets
@@ -119,9 +128,12 @@ class PluginTask(Task):
         if not prompt_ids:
             return []
         rows = [self.rows[self.check_prompt_id(p)] for p in prompt_ids]
+        completions: list[Any] = list(completion_texts)
+        if self.conversational:  # as TRL passes a conversational dataset's completions
+            completions = [[{"role": "assistant", "content": text}] for text in completion_texts]
         return self.rewards(
             prompts=[row[self.options.prompt_column] for row in rows],
-            completions=list(completion_texts),
+            completions=completions,
             completion_ids=None if completion_ids is None else [list(ids) for ids in completion_ids],
             columns={c: [row.get(c) for row in rows] for c in self.columns},
         )

@@ -2,7 +2,9 @@
 
 Owned here: ``PluginError``, ``load_reward_function("module:function" | "path/to/file.py:function")`` and
 ``load_prompt_rows`` (a JSONL file, one ``{"prompt": "...", ...}`` object per line, or a dataset saved with
-``datasets.save_to_disk``, only when the ``datasets`` package is installed: it is not a dependency).
+``datasets.save_to_disk``, only when the ``datasets`` package is installed: it is not a dependency). A
+prompt is a text or, in TRL's conversational format, a list of ``{"role", "content"}`` messages
+(``ml.tokenizer.check_conversation`` says which are refused); all the rows of a task are of one kind.
 Called by ``tasks.plugin``. Must not import torch.
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from echo_p2p.ml.tokenizer import check_conversation
 from echo_p2p.tasks.base import TaskError
 
 #: A reward function with TRL's GRPO signature: keyword arguments in, one reward (or None) per completion out.
@@ -93,9 +96,25 @@ def load_prompt_rows(
         raise PluginError(f"prompts not found: {source} (a .jsonl file or a datasets.save_to_disk directory)")
     if not rows:
         raise PluginError(f"no prompts in {source}")
+    conversational = isinstance(rows[0].get(prompt_column), list)
     for i, row in enumerate(rows):
-        if not isinstance(row.get(prompt_column), str):
-            raise PluginError(f"{source}: row {i} has no string {prompt_column!r} column (only text prompts)")
+        prompt = row.get(prompt_column)
+        if conversational != isinstance(prompt, list):
+            kind = "a conversation" if conversational else "a text"
+            raise PluginError(
+                f"{source}: row {i}'s {prompt_column!r} is not {kind} and row 0's is: a task's prompts "
+                "are all texts or all conversations"
+            )
+        if conversational:
+            try:
+                row[prompt_column] = check_conversation(prompt)
+            except ValueError as exc:
+                raise PluginError(f"{source}: row {i}'s {prompt_column!r} is refused: {exc}") from None
+        elif not isinstance(prompt, str):
+            raise PluginError(
+                f"{source}: row {i} has no string {prompt_column!r} column, nor a list of "
+                "{role, content} messages"
+            )
     return rows
 
 

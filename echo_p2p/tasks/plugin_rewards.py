@@ -5,8 +5,9 @@ Owned here: ``RewardTerm`` (one function, its weight and the keyword arguments i
 batch and adds them up). Called by ``tasks.plugin``. Must not import torch.
 
 Behaviour matched against TRL's ``trl/trainer/grpo_trainer.py`` (``_calculate_rewards`` and the weighted
-``nansum`` after it; main branch, July 2026). A function is called with keyword arguments only, as TRL does: ``prompts`` (the prompt texts),
-``completions`` (the completion texts), ``completion_ids`` (the completions' token ids as sampled, EOS
+``nansum`` after it; main branch, July 2026). A function is called with keyword arguments only, as TRL
+does: ``prompts`` (the prompt texts, or the conversations), ``completions`` (the completion texts, or with
+conversational prompts each one as ``[{"role": "assistant", "content": text}]``), ``completion_ids`` (the completions' token ids as sampled, EOS
 included if sampled; None when the caller has none, e.g. ``Task.score``), ``trainer_state`` (always None:
 there is no Hugging Face ``TrainerState`` here, and a reward that moved with training would not re-score
 equal on a trainer at another version), ``log_extra`` and ``log_metric`` (accepted and discarded), and every
@@ -118,8 +119,8 @@ class RewardSum:
 
     def __call__(
         self,
-        prompts: list[str],
-        completions: list[str],
+        prompts: list[Any],
+        completions: list[Any],
         completion_ids: list[list[int]] | None,
         columns: Mapping[str, list[Any]],
     ) -> list[float]:

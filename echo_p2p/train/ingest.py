@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p import PROTOCOL_VERSION
-from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
+from echo_p2p.ml.tokenizer import check_chat_template, decode_completion, encode_prompts
 from echo_p2p.rollout import MAX_ABS_REWARD, RolloutGroup, Sampling
 from echo_p2p.tasks.base import Task, TaskError
 from echo_p2p.train.buffer import ScoredGroup
@@ -160,6 +160,8 @@ class IngestValidator:
         self.config = config
         allowed = set(config.tasks) if config.tasks is not None else set(tasks)
         self.tasks: dict[str, Task] = {name: task for name, task in tasks.items() if name in allowed}
+        for task in self.tasks.values():  # a conversational task needs the chat template (ValueError)
+            check_chat_template(tokenizer, task.conversational, config.use_chat_template)
         self._prompts: OrderedDict[tuple[str, int], tuple[int, ...]] = OrderedDict()
         self.min_logprob = math.log(config.logprob_floor_mass / config.vocab_size)
 
@@ -173,7 +175,8 @@ class IngestValidator:
             return Rejection(Reason.INTERNAL_ERROR, f"{type(exc).__name__}")
 
     def prompt_token_ids(self, task_name: str, prompt_id: int) -> tuple[int, ...]:
-        """The prompt of ``prompt_id`` tokenized as the inference peers must have done it (cached)."""
+        """The prompt of ``prompt_id`` tokenized as the inference peers must have done it (cached): the task's
+        text or conversation through ``encode_prompts``, the function the samplers use."""
         key = (task_name, prompt_id)
         cached = self._prompts.get(key)
         if cached is not None:

@@ -5,8 +5,12 @@ from transformers import AutoTokenizer
 
 from echo_p2p.ml.tokenizer import (
     CHAR_VOCAB,
+    MAX_CONVERSATION_CHARS,
+    MAX_CONVERSATION_MESSAGES,
     build_char_tokenizer,
     char_vocab,
+    check_chat_template,
+    check_conversation,
     decode_completion,
     encode_prompts,
 )
@@ -80,3 +84,72 @@ def test_decode_completion_keeps_a_special_token_inside_the_text():
     c = tok("c", add_special_tokens=False)["input_ids"]
     text = decode_completion(tok, [*c, inner, *c, tok.eos_token_id])
     assert text != "cc" and text.startswith("c") and text.endswith("c") and len(text) > 2
+
+
+#: A chat template over the char tokenizer's own characters: "u:text\n" per message, "a:" to answer.
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def chat_char_tokenizer():
+    tok = build_char_tokenizer()
+    tok.chat_template = CHAR_CHAT_TEMPLATE
+    return tok
+
+
+def test_a_conversation_is_rendered_with_the_chat_template_and_the_generation_prompt():
+    tok = chat_char_tokenizer()
+    conversation = [
+        {"role": "system", "content": "be short"},
+        {"role": "user", "content": "2+2="},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "3+5="},
+    ]
+    (ids,) = encode_prompts(tok, [conversation])
+    assert tok.decode(ids) == "s:be short\nu:2+2=\na:4\nu:3+5=\na:"
+    # the same ids whatever use_chat_template says for text prompts (None or True), and a text prompt is
+    # rendered as one user message with the same template
+    assert encode_prompts(tok, [conversation], use_chat_template=True) == [ids]
+    assert encode_prompts(tok, ["3+5="]) == encode_prompts(tok, [[{"role": "user", "content": "3+5="}]])
+    assert tok.decode(encode_prompts(tok, ["3+5="], use_chat_template=False)[0]) == "3+5="
+
+
+def test_a_conversation_without_a_chat_template_is_refused_with_the_reason():
+    conversation = [{"role": "user", "content": "3+5="}]
+    with pytest.raises(ValueError, match="tokenizer has none"):
+        encode_prompts(build_char_tokenizer(), [conversation])
+    with pytest.raises(ValueError, match="tokenizer has none"):
+        check_chat_template(build_char_tokenizer(), conversational=True)
+    with pytest.raises(ValueError, match="use_chat_template is false"):
+        encode_prompts(chat_char_tokenizer(), [conversation], use_chat_template=False)
+    check_chat_template(build_char_tokenizer(), conversational=False)  # text prompts need no template
+    check_chat_template(chat_char_tokenizer(), conversational=True)
+
+
+@pytest.mark.parametrize(
+    ("conversation", "reason"),
+    [
+        ("3+5=", "a list of messages, not a str"),
+        ([], "no message"),
+        ([{"role": "tool", "content": "x"}], "role 'tool'"),
+        ([{"role": "user", "content": 42}], "content is a int, not a string"),
+        ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "content is a list, not a string"),
+        ([{"role": "user"}], "exactly 'role' and 'content'"),
+        ([{"role": "user", "content": "x", "name": "bob"}], "exactly 'role' and 'content'"),
+        (["user: x"], "exactly 'role' and 'content'"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            "ends with a user message",
+        ),
+        ([{"role": "user", "content": "x"}] * (MAX_CONVERSATION_MESSAGES + 1), "more than 64"),
+        ([{"role": "user", "content": "x" * (MAX_CONVERSATION_CHARS + 1)}], "characters of content, more"),
+    ],
+)
+def test_malformed_conversations_are_refused_with_the_reason(conversation, reason):
+    with pytest.raises(ValueError, match=reason):
+        check_conversation(conversation)
+    if not isinstance(conversation, str):  # (a string given to encode_prompts is a text prompt)
+        with pytest.raises(ValueError, match=reason):
+            encode_prompts(chat_char_tokenizer(), [conversation])

@@ -96,3 +96,17 @@ def positional_only(completions, /, **kwargs):
 
 async def async_reward(completions, **kwargs):
     return [0.0 for _ in completions]
+
+
+def chat_answer(prompts, completions, answer, **kwargs):
+    """A reward written for TRL's conversational format: ``prompts`` are message lists and each completion
+    is ``[{"role": "assistant", "content": text}]``; 1.0 when that content, stripped, is the answer."""
+    CALLS.append({"prompts": prompts, "completions": completions})
+    return [
+        1.0 if c[0]["content"].strip() == str(a) else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def chat_length(completions, **kwargs):
+    """The assistant message's length in characters (conversational completions only: a text raises)."""
+    return [float(len(c[0]["content"])) for c in completions]
