@@ -339,8 +339,11 @@ def export_final(swarm: LocalSwarm) -> tuple[dict | None, bool]:
     if swarm.config.colocated or not swarm.config.export:
         return None, False
     try:
+        from echo_p2p.export.__main__ import quiet_progress_bars
         from echo_p2p.export.checkpoint import export_checkpoint, newest_checkpoint
         from echo_p2p.export.config import ExportConfig
+
+        quiet_progress_bars()
 
         newest = newest_checkpoint(sorted((swarm.workdir / "checkpoints").glob("trainer-*")))
         if newest is None:

@@ -106,6 +106,14 @@ def _configs(args: argparse.Namespace):
     return config, live, target
 
 
+def quiet_progress_bars() -> None:
+    """No transformers progress bars ("Writing model shards", "Loading weights"): one line says what was
+    written."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> None:
     from pydantic import ValidationError
 
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     import logging
 
     logging.getLogger("echo_p2p.export").setLevel(logging.INFO)
+    quiet_progress_bars()
     try:
         if target is None:
             from echo_p2p.export.checkpoint import export_checkpoint
