@@ -65,9 +65,11 @@ def fetch_newest(target: Any, live: LiveExportConfig) -> FetchedPolicy:
             raise ExportError(str(exc)) from None
         directory = SwarmDirectory(dht, keys, identity, target.network.request_timeout)
         _learn_trainers(directory, trust, deadline, live.poll_period)
-        config = FetcherConfig(serve=False, fetch_timeout=max(1.0, deadline - time.monotonic()))
-        fetcher = WeightFetcher(dht, identity, keys, trust, config).start()
+        fetcher = WeightFetcher(dht, identity, keys, trust, FetcherConfig(serve=False)).start()
         while True:
+            # each fetch ends by the export's deadline (a session reads the fetcher's config when it starts)
+            remaining = max(1.0, deadline - time.monotonic())
+            fetcher.config = fetcher.config.model_copy(update={"fetch_timeout": remaining})
             fetcher.update()  # the newest trusted version, if newer than the one held
             weights = fetcher.weights
             if weights is not None and (live.min_version is None or weights.version >= live.min_version):
@@ -79,9 +81,7 @@ def fetch_newest(target: Any, live: LiveExportConfig) -> FetchedPolicy:
             if trust.owner is not None:  # the owner may have signed a new record (other trainers)
                 trust.update(e.record for e in directory.run_records())
                 directory.follow_trust(trust)
-        publisher = next(
-            (e.record.peer_id for e in directory.policies() if e.record.stream_id == weights.stream_id), None
-        )
+        publisher = _publisher(directory, weights.stream_id)
         logger.info(
             "fetched version %d of run %s (stream %s)", weights.version, target.run_id, weights.stream_id
         )
@@ -94,6 +94,14 @@ def fetch_newest(target: Any, live: LiveExportConfig) -> FetchedPolicy:
         if dht is not None:
             stop_dht(dht)
         identity.cleanup()
+
+
+def _publisher(directory, stream_id: str) -> str | None:
+    """The peer id of the trainer that announces ``stream_id`` (for the export's record), if it still does."""
+    try:
+        return next((e.record.peer_id for e in directory.policies() if e.record.stream_id == stream_id), None)
+    except Exception:  # provenance only: a failed DHT read does not fail the export
+        return None
 
 
 def _learn_trainers(directory, trust, deadline: float, period: float) -> None:

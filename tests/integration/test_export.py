@@ -44,6 +44,8 @@ def test_a_live_run_exports_its_newest_trusted_version_exactly_as_its_trainer_ho
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from echo_p2p.export.checkpoint import export_checkpoint
+    from echo_p2p.export.config import ExportConfig
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.train.checkpoint import CheckpointManager
@@ -106,9 +108,8 @@ def test_a_live_run_exports_its_newest_trusted_version_exactly_as_its_trainer_ho
     trainer.send_signal(signal.SIGTERM)
     assert trainer.wait(timeout=60) == 0, read_log(trainer)[-3000:]
     assert CheckpointManager(checkpoints).latest().version == version
-    done = export("--checkpoint", str(checkpoints), "--out", str(tmp_path / "from-ckpt"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"exported policy version {version} (bfloat16)" in done.stdout
+    result = export_checkpoint(checkpoints, ExportConfig(out=str(tmp_path / "from-ckpt")))
+    assert (result.version, result.dtype) == (version, "bfloat16")
     ours, theirs = (
         load_file(live / "model.safetensors"),
         load_file(tmp_path / "from-ckpt" / "model.safetensors"),
