@@ -263,7 +263,7 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=150)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=None, help="AdamW lr (default: 2e-3 tiny, 1e-6 smollm2)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW lr (default: 1e-3 tiny, 1e-6 smollm2)")
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--device", default="cpu", help="torch device of the policy and the samplers")
     p.add_argument("--micro-batch-size", type=int, default=256)
@@ -274,7 +274,7 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "results" / "objectives.json"))
     args = p.parse_args()
     if args.lr is None:
-        args.lr = 1e-6 if args.model == "smollm2" else 2e-3
+        args.lr = 1e-6 if args.model == "smollm2" else 1e-3
     samplers = args.samplers.split(",")
     objectives = args.objectives.split(",")
     for name in samplers:

@@ -32,6 +32,7 @@ from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.evaluation import EvalConfig
 from echo_p2p.train.pacing import PacingConfig
 from echo_p2p.train.reputation import ReputationConfig
 from echo_p2p.train.trackers import ReportConfig
@@ -246,6 +247,11 @@ class TrainerSection(StrictModel):
     )
     resume: bool = Field(default=False, description="Continue from the newest checkpoint in checkpoint_dir")
     report: ReportConfig = Field(default_factory=ReportConfig, description="TensorBoard / wandb figures")
+    evaluation: EvalConfig = Field(
+        default_factory=EvalConfig,
+        description="The publisher scores versions on the task's held-out prompts (every 5 s by default, at "
+        "most 5% of the time)",
+    )
     sync_timeout: float = Field(default=60.0, gt=0, description="Sync: deadline (s) to collect one batch")
     threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
     seed: int | None = Field(default=None, description="Seed of prompt choice (None: random)")

@@ -124,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="async: drop rollouts more than this many versions old",
     )
     tr.add_argument(
+        "--eval-every",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the publisher scores the held-out prompts every S seconds, within 5%% of the time (default 5)",
+    )
+    tr.add_argument(
+        "--no-eval", action="store_true", default=None, help="no held-out evaluation on the trainer"
+    )
+    tr.add_argument(
         "--report-to",
         nargs="+",
         choices=["tensorboard", "wandb"],
@@ -178,6 +188,8 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.prompts_per_step": args.prompts_per_step,
         "trainer.collab.target_batch_size": args.target_batch_size,
         "trainer.report.report_to": args.report_to,
+        "trainer.evaluation.every_seconds": args.eval_every,
+        "trainer.evaluation.enabled": False if args.no_eval else None,
         "trainer.report.dir": args.report_dir,
         "run.task_options": dict(args.task_option) or None,
         **network_flags(args),

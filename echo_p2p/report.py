@@ -3,8 +3,9 @@
 Owned here: reading the per-step lines that trainers (``trainer-*.jsonl``) and the co-located baseline
 (``colocated-*.jsonl``) write through ``echo_p2p.metrics``, turning them into ``RunSummary`` (steps,
 versions, reward at the start and the end, rollouts consumed, dropped and refused, trainer idle share,
-rollouts per second, staleness; and where the run's final policy was exported, which the caller says), the
-one-line progress of the live view, and ``plot_reward``.
+rollouts per second, staleness, the held-out evaluation's first and last figures from the ``"event":
+"eval"`` lines; and where the run's final policy was exported, which the caller says), the one-line
+progress of the live view, and ``plot_reward``.
 Callers: ``echo_p2p.local`` (live view and end of run) and the benchmarks. No torch, no hivemind;
 matplotlib is imported only by ``plot_reward``, with the non-interactive Agg backend.
 """
@@ -35,6 +36,19 @@ def step_lines(metrics_dir: Path, role: str = "trainer") -> dict[str, list[dict[
         if lines:
             out[path.stem] = sorted(lines, key=lambda x: x["time"])
     return out
+
+
+def eval_lines(metrics_dir: Path, kind: str | None) -> list[dict[str, Any]]:
+    """The held-out evaluation lines (``"event": "eval"``, ``train.evaluation``) of the trainers (``kind``
+    "swarm") or of the co-located run, by time."""
+    role = "colocated" if kind == "colocated" else "trainer"
+    lines = [
+        x
+        for path in sorted(metrics_dir.glob(f"{role}-*.jsonl"))
+        for x in read_metrics(str(path))
+        if x.get("event") == "eval" and isinstance(x.get("eval_accuracy"), int | float)
+    ]
+    return sorted(lines, key=lambda x: x["time"])
 
 
 @dataclass
@@ -105,6 +119,14 @@ class RunSummary:
     model_path: str | None = None  # the final policy as a model directory (python -m echo_p2p.export)
     model_version: int | None = None
     model_dtype: str | None = None
+    evaluations: int = 0  # held-out evaluations (train.evaluation)
+    eval_version_first: int | None = None
+    eval_version_final: int | None = None
+    eval_accuracy_first: float | None = None  # greedy, exact answers on the held-out prompts
+    eval_accuracy_final: float | None = None
+    eval_reward_first: float | None = None  # mean reward sampled at the run's temperature
+    eval_reward_final: float | None = None
+    eval_seconds: float | None = None  # what the evaluations took together
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,11 +158,29 @@ class RunSummary:
                     f"rollout groups sampled {self.groups_sampled}, {waste} of them too stale to train on; "
                     f"samplers waited for the trainers' grants {paced} of the time"
                 )
+        if self.evaluations:
+            out.append(
+                f"held-out accuracy {self.eval_accuracy_first:.3f} (version {self.eval_version_first}) -> "
+                f"{self.eval_accuracy_final:.3f} (version {self.eval_version_final}), reward "
+                f"{self.eval_reward_first:.3f} -> {self.eval_reward_final:.3f}; {self.evaluations} evaluations, "
+                f"{self.eval_seconds:.1f} s in all"
+            )
         if self.first_step_seconds is not None:
             out.append(f"first training step {self.first_step_seconds:.1f} s after launch")
         if self.model_path is not None:
             out.append(model_line(self.model_path, self.model_version, self.model_dtype))
         return out
+
+    def add_evaluations(self, lines: list[dict[str, Any]]) -> None:
+        """Fill the ``eval_*`` fields from the evaluation lines (``eval_lines``), if any."""
+        if not lines:
+            return
+        first, last = lines[0], lines[-1]
+        self.evaluations = len(lines)
+        self.eval_version_first, self.eval_version_final = first.get("eval_version"), last.get("eval_version")
+        self.eval_accuracy_first, self.eval_accuracy_final = first["eval_accuracy"], last["eval_accuracy"]
+        self.eval_reward_first, self.eval_reward_final = first.get("eval_reward"), last.get("eval_reward")
+        self.eval_seconds = round(sum(float(x.get("eval_seconds") or 0.0) for x in lines), 3)
 
 
 def model_line(path: str, version: int | None, dtype: str | None) -> str:
@@ -276,11 +316,16 @@ def reward_axis(values: list[float]) -> tuple[float, float]:
 
 
 def plot_reward(
-    curves: dict[str, list[tuple[float, float]]], path: Path, title: str, xlabel: str = "seconds since start"
+    curves: dict[str, list[tuple[float, float]]],
+    path: Path,
+    title: str,
+    xlabel: str = "seconds since start",
+    evaluations: dict[str, list[tuple[float, float]]] | None = None,
 ) -> Path:
     """Write a PNG of reward against time (or steps): each curve's points and its WINDOW-step moving mean.
 
-    ``curves`` maps a label to ``[(x, reward), ...]`` in x order.
+    ``curves`` maps a label to ``[(x, reward), ...]`` in x order; ``evaluations`` (the held-out figures,
+    same form) are drawn as they are, a marked line each.
     """
     import matplotlib
 
@@ -288,7 +333,13 @@ def plot_reward(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    ax.set_ylim(*reward_axis([y for points in curves.values() for _, y in points]))
+    evaluations = evaluations or {}
+    everything = [*curves.values(), *evaluations.values()]
+    ax.set_ylim(*reward_axis([y for points in everything for _, y in points]))
+    for i, (label, points) in enumerate(evaluations.items(), start=len(curves)):
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3, linestyle="--", color=f"C{i}", label=label)
     for i, (label, points) in enumerate(curves.items()):
         if not points:
             continue
@@ -297,7 +348,7 @@ def plot_reward(
         ax.scatter(xs, ys, s=6, alpha=0.25, color=color)
         ax.plot(xs, moving_mean(list(ys)), color=color, label=f"{label} ({WINDOW}-step mean)")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.set_ylabel("mean reward of the step's rollouts" if not evaluations else "reward / held-out figures")
     ax.grid(alpha=0.3)
     ax.set_title(title)
     ax.legend(loc="lower right")
@@ -342,12 +393,26 @@ def write_report(
     if summary is not None and start is not None and runs.lines:
         first = min(lines[0]["time"] for lines in runs.lines.values())  # each file's lines are by time
         summary.first_step_seconds = max(0.0, first - start)
+    evals = eval_lines(metrics_dir, runs.kind)
+    if summary is not None:
+        summary.add_evaluations(evals)
     written: dict[str, Any] = {"summary": summary.as_dict() if summary else None}
     (out_dir / "summary.json").write_text(json.dumps(written["summary"], indent=2) + "\n")
     written["summary_path"] = str(out_dir / "summary.json")
     curves = reward_curves(runs, start)
     if curves:
-        written["plot_path"] = str(plot_reward(curves, out_dir / "reward.png", title))
+        t0 = start if start is not None else min(lines[0]["time"] for lines in runs.lines.values())
+        held_out = {
+            f"held-out {name} ({key})": [
+                (x["time"] - t0, float(x[key])) for x in evals if x.get(key) is not None
+            ]
+            for key, name in (("eval_accuracy", "accuracy, greedy"), ("eval_reward", "reward, sampled"))
+        }
+        written["plot_path"] = str(
+            plot_reward(
+                curves, out_dir / "reward.png", title, evaluations={k: v for k, v in held_out.items() if v}
+            )
+        )
     return written
 
 

@@ -44,7 +44,7 @@ TINY_ARCH: dict[str, Any] = dict(
 
 #: Trainer settings a preset brings (dotted ``PeerConfig`` fields), applied by ``echo_p2p.config`` to the
 #: fields that the YAML file, the environment and the flags leave unset. The tiny preset learns from a
-#: random init at the trainer defaults (lr 2e-3); SmolLM2-135M-Instruct is pretrained and would be wrecked
+#: random init at the trainer defaults (lr 1e-3); SmolLM2-135M-Instruct is pretrained and would be wrecked
 #: by that: it gets the usual RL fine-tuning rate of a 0.1-7B LM.
 #: SmolLM2's trainer deadlines hold on a 20 Mbit/s link between two trainers (``transport.collab_optimizer.
 #: link_timeouts`` for its 134.5 M parameters, checked by a unit test): fp16 gradient rounds of 135 MB each

@@ -1,7 +1,7 @@
 """What a running monitor remembers between reads: a bounded time series and the alerts' timers.
 
-Owned here: ``Tracker``. ``observe(status)`` appends one sample (time, newest version, reward, rollouts
-consumed, peers) to a ring of ``history_size`` samples and returns the ``alerts.Timers`` of this read: since
+Owned here: ``Tracker``. ``observe(status)`` appends one sample (time, newest version, reward, held-out
+accuracy and reward, rollouts consumed, peers) to a ring of ``history_size`` samples and returns the ``alerts.Timers`` of this read: since
 when the newest version has been the newest, and since when each trainer has had an empty buffer without
 consuming anything. ``newest_at(t)`` is the newest version seen by time ``t`` (peers' lag is measured
 against it); ``since(t)`` serves ``/api/history``; ``versions_per_minute`` the run header. It
@@ -51,6 +51,8 @@ class Tracker:
                     "time": now,
                     "version": newest,
                     "reward": summary["reward"],
+                    "eval_accuracy": summary.get("eval_accuracy"),
+                    "eval_reward": summary.get("eval_reward"),
                     "rollouts_consumed": summary["rollouts_consumed"],
                     "rollouts_per_second": summary["rollouts_per_second"],
                     "trainers": summary["trainers"],

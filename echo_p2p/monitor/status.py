@@ -123,6 +123,9 @@ def peer_rows(entries, now: float, trust=None, newest: int | None = None) -> lis
                 "reward_mean": num(r.reward_mean, 4),
                 "max_staleness": num(r.max_staleness),
                 "chunks_served": num(r.chunks_served),
+                "eval_version": num(r.eval_version),
+                "eval_accuracy": num(r.eval_accuracy, 4),
+                "eval_reward": num(r.eval_reward, 4),
                 "waiting_for_grants": num(r.waiting_for_grants, 3),
                 "last_seen_s": num(round(max(0.0, now - r.updated_at), 1)),
                 "uptime_s": num(round(max(0.0, now - r.started_at), 1)),
@@ -166,6 +169,10 @@ def build_status(snap: Snapshot, config: MonitorConfig | None = None, tracker=No
             row["lag"] = max(0, newest - row["policy_version"])
     bounds = [r["max_staleness"] for r in trainers if r["max_staleness"] is not None]
     rewards = [r["reward_mean"] for r in trainers if r["reward_mean"] is not None]
+    # the held-out figures of the newest evaluated version (the publisher's; a former publisher's are older)
+    evaluated = max(
+        (r for r in trainers if r["eval_version"] is not None), key=lambda r: r["eval_version"], default=None
+    )
     status: dict[str, Any] = {
         "run_id": snap.run_id,
         "time": now,
@@ -181,6 +188,9 @@ def build_status(snap: Snapshot, config: MonitorConfig | None = None, tracker=No
             "peers_total": len(rows),
             "peers_listed": min(len(rows), config.max_peers),
             "reward": num(round(sum(rewards) / len(rewards), 4)) if rewards else None,
+            "eval_version": evaluated["eval_version"] if evaluated else None,
+            "eval_accuracy": evaluated["eval_accuracy"] if evaluated else None,
+            "eval_reward": evaluated["eval_reward"] if evaluated else None,
             "rollouts_consumed": sum(r["rollouts_consumed"] or 0 for r in trainers) if trainers else None,
             "rollouts_per_second": num(round(sum(r["rollouts_per_second"] or 0.0 for r in trainers), 3)),
             "tokens_per_second": num(

@@ -154,6 +154,24 @@ class PeerRecord(WireRecord):
     chunks_served: int | None = Field(
         default=None, ge=0, description="Policy chunks this peer served to others since it started"
     )
+    eval_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="Trainer (the publisher): policy version of its last held-out evaluation",
+    )
+    eval_accuracy: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Trainer: share of the held-out prompts its greedy completion answered exactly",
+    )
+    eval_reward: float | None = Field(
+        default=None,
+        ge=-MAX_ABS_REWARD,
+        le=MAX_ABS_REWARD,
+        allow_inf_nan=False,
+        description="Trainer: mean reward of completions sampled on the held-out prompts",
+    )
     waiting_for_grants: float | None = Field(
         default=None,
         ge=0,

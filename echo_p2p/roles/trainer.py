@@ -5,6 +5,8 @@ Owned here: wiring the training layer to the network for one trainer — the pol
 replay buffer (async mode) or the sample client (sync mode), the weight publisher, checkpoints, and the
 trainer's metrics. Exactly one trainer publishes at a time (the running trainer with the smallest peer id,
 so that inference peers see one consistent manifest per version); the others take over when it leaves.
+The publisher also scores its versions on the task's held-out prompts between two steps
+(``train.evaluation``: ``eval_*`` metrics lines, ``eval/`` tracker tags, its peer record's ``eval_*``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class TrainerPeer(BasePeer):
         self._published_at = -float("inf")  # monotonic time of the last publish
         self._stepper = None
         self.catch_up = None  # roles.trainer_catchup.CatchUp, built in on_start
+        self.evaluator = (
+            None  # train.evaluation.Evaluator: held-out figures (the publisher), built in on_start
+        )
         self.optimizer = None
         self.publisher = None
         self.loop = None
@@ -72,11 +77,13 @@ class TrainerPeer(BasePeer):
     def on_start(self) -> None:
         import torch
 
+        from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
         from echo_p2p.roles.trainer_guard import SenderGuard
         from echo_p2p.tasks import build_task
         from echo_p2p.train.buffer import ReplayBuffer, recommended_capacity
         from echo_p2p.train.checkpoint import CheckpointManager
+        from echo_p2p.train.evaluation import Evaluator
         from echo_p2p.train.ingest import IngestConfig, IngestValidator
         from echo_p2p.train.learner import Learner
         from echo_p2p.train.reference import reference_policy
@@ -107,6 +114,14 @@ class TrainerPeer(BasePeer):
         # checkpoint or other trainer's state is loaded (the same on a resumed or late trainer)
         reference = reference_policy(self.model, grpo.policy_precision) if grpo.kl_beta > 0 else None
         self.learner = Learner(self.model, grpo, ref_model=reference)
+        self.evaluator = Evaluator(
+            section.evaluation,
+            self.task,
+            self.tokenizer,
+            TransformersEngine(self.model, self.tokenizer),
+            run.sampling_params(self.task.max_new_tokens),
+            run.model.use_chat_template,
+        )
         self.trackers = open_trackers(
             section.report,
             os.path.join(self.config.metrics_dir or "runs", "tensorboard"),
@@ -259,10 +274,38 @@ class TrainerPeer(BasePeer):
                 idle_since = t0 if idle_since is None else idle_since
                 self.catch_up.maybe(idle_since)
                 self._maybe_publish()  # a version skipped while a publish was in flight goes out now
+                self._maybe_evaluate()
                 continue
             idle_since = None
             self._train(batch)
+            self._maybe_evaluate()
         self.stop_event.set()
+
+    def _maybe_evaluate(self) -> None:
+        """The publisher scores the version it holds on the held-out prompts when one is due (between two
+        steps, within ``trainer.evaluation.max_share`` of the time): a metrics line and ``eval/`` tags."""
+        if not self.is_publisher or self.evaluator is None or self.stop_event.is_set():
+            return
+        figures = self.evaluator.maybe(self.policy_version or 0)
+        if figures is None:
+            return
+        self.metrics.write(
+            self.policy_version,
+            event="eval",
+            steps=self.steps,
+            eval_s_total=round(self.evaluator.seconds_total, 3),
+            **figures,
+        )
+        self.trackers.log(figures, self.steps)
+        logger.info(
+            "%s held-out evaluation of version %d: accuracy %.3f, reward %.3f (%d prompts, %.2f s)",
+            self.prefix(),
+            figures["eval_version"],
+            figures["eval_accuracy"],
+            figures["eval_reward"],
+            figures["eval_prompts"],
+            figures["eval_seconds"],
+        )
 
     def _train(self, batch: list) -> None:
         t0 = time.monotonic()
@@ -445,7 +488,15 @@ class TrainerPeer(BasePeer):
             "rollouts_consumed": self.rollouts_consumed,
             "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
             "chunks_served": self.publisher.servicer.stats.chunks_served if self.publisher else None,
+            **self._eval_fields(),
         }
+
+    def _eval_fields(self) -> dict[str, Any]:
+        """The newest held-out figures for the peer record (monitors draw them), or nothing."""
+        last = self.evaluator.last if self.evaluator is not None else None
+        if last is None:
+            return {}
+        return {k: last[k] for k in ("eval_version", "eval_accuracy", "eval_reward")}
 
     def _counters(self) -> dict[str, Any]:
         elapsed = max(1e-9, time.monotonic() - self._work_started)
@@ -463,6 +514,8 @@ class TrainerPeer(BasePeer):
             "went_on_alone": self.catch_up.went_on_alone if self.catch_up is not None else 0,
             "versions_published": self.versions_published,
             "peak_rss_mib": peak_rss_mib(),
+            "evaluations": self.evaluator.evaluations if self.evaluator is not None else 0,
+            "eval_s_total": round(self.evaluator.seconds_total, 3) if self.evaluator is not None else 0.0,
         }
         if self.publisher is not None:  # what this trainer's uplink carried of the versions it published
             uploaded = self.publisher.servicer.stats.bytes_served

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from echo_p2p.tasks.base import Task, TaskOptions
+from echo_p2p.tasks.base import HELD_OUT_EVERY, Task, TaskOptions
 
 _INT = re.compile(r"(?<![0-9])-?[0-9]+")
 _THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")
@@ -67,6 +67,18 @@ class ArithmeticTask(Task):
         if self.options.num_prompts is None:
             return own
         return min(own, self.options.num_prompts) if own is not None else self.options.num_prompts
+
+    def held_out_ids(self) -> tuple[int, ...]:
+        """Level 1 (``a+b``, id ``10a + b``): the 20 sums with ``(a + 2b) % 5 == 0``, so every a and every b
+        is held out with two partners and trained with eight (the default rule, every fifth id, would hold
+        out ``b = 2`` and ``b = 7`` entirely). Other levels: ``Task``'s default rule (the top 256 ids, or
+        every fifth id of a ``num_prompts`` pool)."""
+        n = self.num_prompts
+        if self.options.level != 1 or n is None:
+            return super().held_out_ids()
+        if n < HELD_OUT_EVERY:
+            return ()
+        return tuple(i for i in range(n) if (i // 10 + 2 * (i % 10)) % 5 == 0)
 
     def problem(self, prompt_id: int) -> tuple[str, int]:
         """(expression, exact result) of ``prompt_id``."""

@@ -8,6 +8,14 @@ Scoring must never raise on an odd completion text: untrusted text scores low, i
 A reward is any finite float within ``rollout.MAX_ABS_REWARD`` (1e6, the wire bound of
 ``rollout.Completion``): the built-in tasks score in [0, 1], a plug-in task's weighted sum of user functions
 may be negative or above 1.
+
+Held-out split: every task sets aside prompt ids for evaluation only (``held_out_ids``). No sampler draws
+them (``sample_prompt_ids`` draws the others: inference peers, sync trainers' requests, the co-located
+loop) and a trainer's ingest refuses a group on one (``held_out``, ``train.ingest``); the publishing trainer
+and the co-located loop score them (``train.evaluation``). The default rule: a task of ``n`` prompts holds
+out ``n // HELD_OUT_EVERY`` ids spread evenly over ``0 .. n - 1`` (none when ``n < HELD_OUT_EVERY``); a task
+of unbounded ids holds out the top ``UNBOUNDED_HELD_OUT`` ids of ``0 .. 2**31 - 1``. A task may override it
+(``count`` keeps every repeat count and letter in training, a plug-in task reads an eval file or split).
 """
 
 from __future__ import annotations
@@ -15,9 +23,17 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import cached_property
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+#: A task of ``n`` prompts holds out one id in this many (``Task.held_out_ids``'s default rule).
+HELD_OUT_EVERY = 5
+#: A task of unbounded ids holds out this many ids, the top of ``0 .. 2**31 - 1``.
+UNBOUNDED_HELD_OUT = 256
+#: Ids are ints in ``0 .. ID_SPACE - 1`` when a task's ids are unbounded.
+ID_SPACE = 2**31
 
 
 class TaskError(ValueError):
@@ -94,24 +110,65 @@ class Task(ABC):
             raise TaskError(f"{len(completion_ids)} token id lists for {len(completion_texts)} completions")
 
     def check_prompt_id(self, prompt_id: int) -> int:
-        """``prompt_id`` if it is valid for this task, else ``TaskError`` (ids arrive from other peers)."""
+        """``prompt_id`` if it is valid for this task, else ``TaskError`` (ids arrive from other peers).
+        A held-out id is valid here (evaluation scores it): ``is_held_out`` tells training ids apart."""
         if isinstance(prompt_id, bool) or not isinstance(prompt_id, int):
             raise TaskError(f"prompt id must be an int, got {type(prompt_id).__name__}")
-        limit = self.num_prompts if self.num_prompts is not None else 2**31
+        limit = self.num_prompts if self.num_prompts is not None else ID_SPACE
         if not 0 <= prompt_id < limit:
             raise TaskError(f"prompt id {prompt_id} out of range [0, {limit}) for task {self.name!r}")
         return prompt_id
 
-    def sample_prompt_ids(self, rng: random.Random, k: int) -> list[int]:
-        """``k`` prompt ids drawn with ``rng``: distinct when the task has at least ``k`` prompts."""
-        if k < 0:
-            raise TaskError(f"k must be >= 0, got {k}")
+    def held_out_ids(self) -> tuple[int, ...]:
+        """The held-out split, ascending: ids that are scored by evaluation and never trained on (the module
+        docstring's default rule; a task may override it). Must be a pure function of the options and leave
+        at least one id to train on."""
         n = self.num_prompts
         if n is None:
-            return [rng.randrange(2**31) for _ in range(k)]
-        if k <= n:
-            return rng.sample(range(n), k)
-        return [rng.randrange(n) for _ in range(k)]
+            return tuple(range(ID_SPACE - UNBOUNDED_HELD_OUT, ID_SPACE))
+        count = n // HELD_OUT_EVERY
+        return tuple(sorted({(2 * i + 1) * n // (2 * count) for i in range(count)}))
+
+    @cached_property
+    def _held_out(self) -> frozenset[int]:
+        return frozenset(self.held_out_ids())
+
+    @cached_property
+    def _training_ids(self) -> tuple[int, ...] | None:
+        """The ids samplers draw from (finite tasks), or None when ids are unbounded."""
+        n = self.num_prompts
+        if n is None:
+            return None
+        ids = tuple(i for i in range(n) if i not in self._held_out)
+        if not ids:
+            raise TaskError(f"task {self.name!r} holds out all of its {n} prompts: nothing to train on")
+        return ids
+
+    def is_held_out(self, prompt_id: int) -> bool:
+        """Whether ``prompt_id`` belongs to the held-out split (evaluation only: never sampled for training)."""
+        return prompt_id in self._held_out
+
+    def is_correct(self, reward: float) -> bool:
+        """Whether a completion of this reward is an exact answer (evaluation's accuracy and pass@k): a reward
+        of 1 for the built-in tasks, whose rewards lie in [0, 1] with 1 only for an exact answer."""
+        return reward >= 1.0 - 1e-9
+
+    def sample_prompt_ids(self, rng: random.Random, k: int) -> list[int]:
+        """``k`` training prompt ids drawn with ``rng`` (never a held-out one): distinct when the task has at
+        least ``k`` training prompts."""
+        if k < 0:
+            raise TaskError(f"k must be >= 0, got {k}")
+        ids = self._training_ids
+        if ids is None:
+            out = []
+            while len(out) < k:
+                prompt_id = rng.randrange(ID_SPACE)
+                if prompt_id not in self._held_out:  # a redraw once in ~8 million draws by default
+                    out.append(prompt_id)
+            return out
+        if k <= len(ids):
+            return rng.sample(ids, k)
+        return [rng.choice(ids) for _ in range(k)]
 
     def describe(self) -> str:
         """One line for logs."""

@@ -54,6 +54,20 @@ class PluginOptions(TaskOptions):
         "conversational format, rendered with the model's chat template)",
     )
     split: str | None = Field(default=None, description="Split of a saved DatasetDict (default: 'train')")
+    eval_prompts: str | None = Field(
+        default=None,
+        description="Held-out prompts (a .jsonl file or a datasets.save_to_disk directory, the same columns): "
+        "scored by the run's evaluation, never trained on. None (and no eval_split): no held-out split",
+    )
+    eval_split: str | None = Field(
+        default=None, description="Held-out split of the 'prompts' DatasetDict (e.g. 'test'), as eval_prompts"
+    )
+    correct_reward: float = Field(
+        default=1.0,
+        allow_inf_nan=False,
+        description="A completion counts as correct (evaluation's accuracy and pass@k) when its reward is at "
+        "least this",
+    )
     max_new_tokens: int = Field(default=64, ge=1, description="Completion cap")
 
     @property
@@ -70,6 +84,8 @@ class PluginOptions(TaskOptions):
 
     @model_validator(mode="after")
     def _weights_match(self) -> PluginOptions:
+        if self.eval_prompts is not None and self.eval_split is not None:
+            raise ValueError("give eval_prompts or eval_split, not both")
         if not self.reward_specs:
             raise ValueError("reward: give at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_specs):
@@ -81,15 +97,29 @@ class PluginOptions(TaskOptions):
 
 
 class PluginTask(Task):
-    """Prompts from a file (id = row index), rewards from user functions with TRL's GRPO signature."""
+    """Prompts from a file (id = row index), rewards from user functions with TRL's GRPO signature. The
+    held-out prompts (``eval_prompts`` / ``eval_split``) follow the training rows: ids ``len(training rows)``
+    onwards."""
 
     name = "plugin"
 
     def __init__(self, options: PluginOptions) -> None:
         self.options = options
         self.max_new_tokens = options.max_new_tokens
-        self.rows = load_prompt_rows(options.prompts, options.prompt_column, options.split)
-        self.conversational = isinstance(self.rows[0][options.prompt_column], list)
+        rows = load_prompt_rows(options.prompts, options.prompt_column, options.split)
+        self.num_training_rows = len(rows)
+        self.conversational = isinstance(rows[0][options.prompt_column], list)
+        held_out: list[dict[str, Any]] = []
+        if options.eval_prompts is not None:
+            held_out = load_prompt_rows(options.eval_prompts, options.prompt_column)
+        elif options.eval_split is not None:
+            held_out = load_prompt_rows(options.prompts, options.prompt_column, options.eval_split)
+        if held_out and isinstance(held_out[0][options.prompt_column], list) != self.conversational:
+            raise PluginError(
+                "the held-out prompts and the training prompts must be of one kind (all texts or all "
+                "conversations)"
+            )
+        self.rows = rows + held_out
         columns = {k for row in self.rows for k in row} - {options.prompt_column} - set(DROPPED_COLUMNS)
         clash = sorted(columns & set(PASSED_ARGUMENTS))
         if clash:
@@ -108,6 +138,12 @@ class PluginTask(Task):
     @property
     def num_prompts(self) -> int:
         return len(self.rows)
+
+    def held_out_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.num_training_rows, len(self.rows)))
+
+    def is_correct(self, reward: float) -> bool:
+        return reward >= self.options.correct_reward
 
     def prompt(self, prompt_id: int) -> str | list[dict[str, str]]:
         prompt = self.rows[self.check_prompt_id(prompt_id)][self.options.prompt_column]

@@ -45,6 +45,7 @@ class Reason(str, Enum):
     OTHER_PROTOCOL = "other_protocol"  # written by a peer of another protocol version
     UNKNOWN_TASK = "unknown_task"  # a task this trainer does not train on
     BAD_PROMPT_ID = "bad_prompt_id"  # prompt id out of the task's range
+    HELD_OUT = "held_out"  # a prompt of the task's held-out split: evaluated, never trained on
     PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from the prompt rebuilt from its id
     WRONG_GROUP_SIZE = "wrong_group_size"  # not exactly ``group_size`` completions
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # a token id outside [0, vocab_size)
@@ -207,6 +208,8 @@ class IngestValidator:
             task.check_prompt_id(group.prompt_id)
         except TaskError as exc:
             return Rejection(Reason.BAD_PROMPT_ID, str(exc))
+        if task.is_held_out(group.prompt_id):
+            return Rejection(Reason.HELD_OUT, f"prompt {group.prompt_id} is held out for evaluation")
         if len(group.completions) != self.config.group_size:
             return Rejection(
                 Reason.WRONG_GROUP_SIZE,

@@ -49,6 +49,13 @@ TRL_NAMES = {
     "version": "train/policy_version",
     "policy_drift": "train/policy_drift",
     "logprob_gap_max": "train/logprob_gap_max",
+    # held-out evaluation (train.evaluation), as TRL's evaluation loop names its figures
+    "eval_reward": "eval/reward",
+    "eval_reward_std": "eval/reward_std",
+    "eval_accuracy": "eval/accuracy",
+    "eval_greedy_reward": "eval/greedy_reward",
+    "eval_pass_at_k": "eval/pass_at_k",
+    "eval_completion_length": "eval/completion_length",
 }
 
 

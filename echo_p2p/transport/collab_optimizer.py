@@ -109,7 +109,9 @@ class CollabOptimizerConfig(BaseModel):
         "pretrained LMs; the tiny test policy learns at 1e-3..3e-3.",
     )
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas.")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999), description="AdamW betas (as ``GRPOConfig.adam_betas``, which says why 0.999)."
+    )
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     target_batch_size: int = Field(
         default=64,

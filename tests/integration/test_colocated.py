@@ -78,7 +78,7 @@ def test_config_guards() -> None:
     from echo_p2p.train.learner import GRPOConfig
 
     cfg = ColocatedConfig()
-    assert isinstance(cfg.grpo, GRPOConfig) and cfg.grpo.lr == 2e-3 and cfg.steps == 300
+    assert isinstance(cfg.grpo, GRPOConfig) and cfg.grpo.lr == 1e-3 and cfg.steps == 300
     assert ColocatedConfig(grpo={"lr": 1e-3}).grpo.micro_batch_size == 256  # defaults fill the rest
     with pytest.raises(ValueError, match="temperature"):
         ColocatedConfig(sampling=SamplingParams(temperature=0.7, max_new_tokens=7))

@@ -42,6 +42,9 @@ PAGE_STATE = """JSON.stringify({
   version: document.getElementById('version').textContent,
   rewardPoints: (document.querySelector('#chart-reward polyline')?.getAttribute('points') || '')
     .split(' ').filter(Boolean).length,
+  evalPoints: (document.querySelector('#chart-eval polyline.eval-accuracy')?.getAttribute('points') || '')
+    .split(' ').filter(Boolean).length,
+  evalAccuracy: document.getElementById('eval-accuracy').textContent,
   alerts: [...document.querySelectorAll('#alerts li')].map(li => li.dataset.code || li.textContent),
 })"""
 
@@ -110,11 +113,17 @@ async def test_the_page_of_a_live_local_swarm_shows_its_peers_and_a_rising_versi
         rising = await _wait(
             lambda: _later(
                 browser,
-                lambda s: s["version"].isdigit() and int(s["version"]) >= v1 + 2 and s["rewardPoints"] >= 5,
+                lambda s: (
+                    s["version"].isdigit()
+                    and int(s["version"]) >= v1 + 2
+                    and s["rewardPoints"] >= 5
+                    and s["evalPoints"] >= 2
+                ),
             ),
             60,
-            "a version that increases and a reward curve of 5 points",
+            "a version that increases, a reward curve of 5 points and a held-out curve of 2",
         )
+        assert float(rising["evalAccuracy"]) >= 0  # the card shows the publisher's held-out accuracy
         assert int(rising["version"]) > v1
         assert "no_trainer" not in rising["alerts"] and "dht_unreachable" not in rising["alerts"]
         # the table is the API's peer list
@@ -140,6 +149,7 @@ async def test_the_page_of_a_live_local_swarm_shows_its_peers_and_a_rising_versi
     acc = EventAccumulator(str(logdir))
     acc.Reload()
     assert {"train/reward", "train/clip_ratio", "train/staleness"} <= set(acc.Tags()["scalars"])
+    assert {"eval/reward", "eval/accuracy", "eval/pass_at_k"} <= set(acc.Tags()["scalars"])
     assert len(acc.Scalars("train/reward")) >= 2
 
 

@@ -29,6 +29,13 @@ def trainer_steps(metrics_dir: Path) -> list[dict]:
     return sorted(lines, key=lambda x: x["time"])
 
 
+def eval_lines(metrics_dir: Path, role: str = "trainer") -> list[dict]:
+    lines: list[dict] = []
+    for path in metrics_dir.glob(f"{role}-*.jsonl"):
+        lines += [x for x in read_metrics(str(path)) if x.get("event") == "eval"]
+    return sorted(lines, key=lambda x: x["time"])
+
+
 def mean(xs):
     return sum(xs) / len(xs)
 
@@ -80,6 +87,15 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm(mode, tmp_path):
     assert summary["kind"] == "swarm" and summary["steps"] == len(steps)
     assert summary["reward_final"] > summary["reward_first"] + 0.15
     assert (workdir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the publishing trainer scored the held-out prompts (the first time before its first update)
+    evals = eval_lines(workdir / "metrics")
+    assert evals and evals[0]["eval_version"] == 0 and evals[0]["eval_prompts"] == 6, evals[:1]
+    assert all(0 <= e["eval_accuracy"] <= 1 and 0 <= e["eval_reward"] <= 1 for e in evals)
+    assert (
+        summary["evaluations"] == len(evals) and summary["eval_accuracy_first"] == evals[0]["eval_accuracy"]
+    )
+    assert summary["eval_reward_final"] == evals[-1]["eval_reward"] and "held-out accuracy" in proc.stdout
+    assert not any(s.get("rejected", {}).get("held_out") for s in steps)  # honest samplers never draw them
 
 
 def test_local_colocated_baseline_reports_like_the_swarm(tmp_path):
@@ -96,10 +112,11 @@ def test_local_colocated_baseline_reports_like_the_swarm(tmp_path):
     assert "reward reached 0.3: stopping" in proc.stdout, proc.stdout[-2000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["kind"] == "colocated" and summary["reward_final"] >= 0.3
-    assert summary["steps"] == len(
-        list(read_metrics(str(next((workdir / "metrics").glob("colocated-*.jsonl")))))
-    )
+    lines = read_metrics(str(next((workdir / "metrics").glob("colocated-*.jsonl"))))
+    assert summary["steps"] == len([x for x in lines if x.get("event") != "eval"])
     assert (workdir / "reward.png").stat().st_size > 5000
+    evals = eval_lines(workdir / "metrics", "colocated")  # evaluated as the publishing trainer does
+    assert evals and evals[0]["eval_version"] == 0 and summary["evaluations"] == len(evals)
 
 
 def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_path):

@@ -68,7 +68,7 @@ def test_smollm2_preset_brings_its_learning_rate_and_given_values_win(tmp_path):
     base = ["--role", "trainer", "--run-id", "r", "--initial-peers", MADDR]
     tiny = parse_config(base, environ={})
     smol = parse_config([*base, "--model", "smollm2"], environ={})
-    assert (tiny.trainer.collab.lr, tiny.trainer.grpo.lr) == (2e-3, 2e-3)
+    assert (tiny.trainer.collab.lr, tiny.trainer.grpo.lr) == (1e-3, 1e-3)
     assert (smol.trainer.collab.lr, smol.trainer.grpo.lr) == (1e-6, 1e-6)
     # nothing else of the trainer's defaults moves
     assert smol.trainer.collab.target_batch_size == tiny.trainer.collab.target_batch_size == 16
@@ -78,6 +78,23 @@ def test_smollm2_preset_brings_its_learning_rate_and_given_values_win(tmp_path):
     yaml.write_text("trainer:\n  collab:\n    lr: 5.0e-6\n    target_batch_size: 16\n")
     given = parse_config([*base, "--model", "smollm2", "--config", str(yaml)], environ={})
     assert (given.trainer.collab.lr, given.trainer.grpo.lr) == (5e-6, 1e-6)
+
+
+def test_a_partial_trainer_section_keeps_the_sections_other_defaults(tmp_path):
+    """``--lr`` alone (trainer.collab.lr) used to replace the whole collab section with the class defaults:
+    the target batch went from 16 groups to 64, a version every 4 steps instead of every step."""
+    base = ["--role", "trainer", "--run-id", "r", "--initial-peers", MADDR]
+    default = parse_config(base, environ={}).trainer
+    lr_only = parse_config([*base, "--lr", "5e-4"], environ={}).trainer
+    assert lr_only.collab.lr == 5e-4
+    assert lr_only.collab.target_batch_size == default.collab.target_batch_size == 16
+    yaml = tmp_path / "trainer.yaml"
+    yaml.write_text("trainer:\n  grpo:\n    clip_high: 0.28\n")
+    grpo = parse_config([*base, "--config", str(yaml)], environ={}).trainer.grpo
+    assert grpo.clip_high == 0.28
+    assert (grpo.lr, grpo.micro_batch_size) == (default.grpo.lr, default.grpo.micro_batch_size) == (1e-3, 256)
+    smol = parse_config([*base, "--model", "smollm2", "--config", str(yaml)], environ={}).trainer.grpo
+    assert (smol.lr, smol.clip_high) == (1e-6, 0.28)  # the preset still reaches a partially given section
 
 
 def test_local_swarm_gives_smollm2_peers_small_steps_that_peer_args_override(tmp_path):
@@ -93,7 +110,7 @@ def test_local_swarm_gives_smollm2_peers_small_steps_that_peer_args_override(tmp
 
 def test_colocated_smollm2_takes_the_preset_learning_rate():
     assert config_from_args(parse_args(["--model", "smollm2"])).grpo.lr == 1e-6
-    assert config_from_args(parse_args([])).grpo.lr == 2e-3
+    assert config_from_args(parse_args([])).grpo.lr == 1e-3
     assert config_from_args(parse_args(["--model", "smollm2", "--lr", "1e-5"])).grpo.lr == 1e-5
 
 

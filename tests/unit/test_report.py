@@ -165,3 +165,27 @@ def test_the_summary_names_the_exported_final_policy(tmp_path, capsys):
     )
     assert f"final policy (version 12, bfloat16) in {tmp_path / 'model'}" in capsys.readouterr().out
     assert write_report(metrics, tmp_path, "t")["summary"]["model_path"] is None
+
+
+def test_the_held_out_evaluations_reach_the_summary_and_the_plot(tmp_path):
+    write_trainer(tmp_path, "a", 30)
+    path = tmp_path / "trainer-a.jsonl"
+    evals = [
+        {"time": 1000.0 + t, "version": v, "event": "eval", "eval_version": v, "eval_accuracy": acc}
+        | {"eval_reward": reward, "eval_seconds": 0.25}
+        for t, v, acc, reward in ((0, 0, 0.0, 0.02), (10, 10, 0.5, 0.4), (20, 20, 0.75, 0.6))
+    ]
+    with path.open("a") as f:  # after the torn line, as a later write would follow it
+        f.write("\n" + "".join(json.dumps(x) + "\n" for x in evals))
+    written = write_report(tmp_path, tmp_path, "count on tiny")
+    s = written["summary"]
+    assert s["steps"] == 30  # evaluation lines are not steps
+    assert (s["evaluations"], s["eval_version_first"], s["eval_version_final"]) == (3, 0, 20)
+    assert (s["eval_accuracy_first"], s["eval_accuracy_final"]) == (0.0, 0.75)
+    assert (s["eval_reward_first"], s["eval_reward_final"], s["eval_seconds"]) == (0.02, 0.6, 0.75)
+    text = "\n".join(summarize(Runs.load(tmp_path)).lines())
+    assert "held-out" not in text  # summarize alone reads steps; write_report adds the evaluations
+    from echo_p2p.report import RunSummary
+
+    assert "held-out accuracy 0.000 (version 0) -> 0.750 (version 20)" in "\n".join(RunSummary(**s).lines())
+    assert (tmp_path / "reward.png").stat().st_size > 5000

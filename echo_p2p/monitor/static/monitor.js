@@ -1,5 +1,5 @@
-// echo_p2p monitor page: reads /api/status and /api/history every POLL_MS and draws the header, alerts, two
-// charts (inline SVG) and the peer table. Everything shown comes from peers and is untrusted: it enters the
+// echo_p2p monitor page: reads /api/status and /api/history every POLL_MS and draws the header, alerts, three
+// charts (inline SVG: the trainers' reward, the held-out evaluation, rollouts consumed) and the peer table. Everything shown comes from peers and is untrusted: it enters the
 // document only through textContent and attribute values, never as markup. Nothing is fetched from
 // anywhere but this server.
 "use strict";
@@ -50,6 +50,7 @@
     setText("trainers", fmt(sum.trainers));
     setText("inference", fmt(sum.inference));
     setText("reward", fmt(sum.reward, 3));
+    setText("eval-accuracy", fmt(sum.eval_accuracy, 3));
     setText("consumed", fmt(sum.rollouts_consumed));
     setText("trust", fmt(st.trust));
     setText("updated", new Date(st.time * 1000).toLocaleTimeString());
@@ -122,22 +123,27 @@
     return e;
   }
 
-  // A line chart of [t, y] points (t in seconds) into an <svg viewBox="0 0 600 220">; the y range covers
-  // the data and [lo, hi] (null: the data's own).
-  function drawChart(svg, points, lineClass, digits, lo, hi) {
+  // A line chart into an <svg viewBox="0 0 600 220">: one polyline per series ({points: [[t, y]...], cls}, t in
+  // seconds); the y range covers the data and [lo, hi] (null: the data's own).
+  function drawChart(svg, series, digits, lo, hi) {
     svg.replaceChildren();
     const W = 600, H = 220, L = 52, R = 12, T = 10, B = 28;
-    const pts = points.filter((p) => typeof p[1] === "number" && isFinite(p[1]));
+    const lines = series.map((s) => ({
+      cls: s.cls,
+      pts: s.points.filter((p) => typeof p[1] === "number" && isFinite(p[1])),
+    }));
+    const all = lines.flatMap((s) => s.pts);
     svg.appendChild(svgEl("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }));
     svg.appendChild(svgEl("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
-    if (pts.length === 0) {
+    if (all.length === 0) {
       svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no data yet"));
       return;
     }
-    let ymin = Math.min(...pts.map((p) => p[1]), lo === null ? Infinity : lo);
-    let ymax = Math.max(...pts.map((p) => p[1]), hi === null ? -Infinity : hi);
+    let ymin = Math.min(...all.map((p) => p[1]), lo === null ? Infinity : lo);
+    let ymax = Math.max(...all.map((p) => p[1]), hi === null ? -Infinity : hi);
     if (ymax - ymin < 1e-9) { ymin -= 0.5; ymax += 0.5; }
-    const t0 = pts[0][0], t1 = Math.max(pts[pts.length - 1][0], t0 + 1);
+    const t0 = Math.min(...all.map((p) => p[0]));
+    const t1 = Math.max(...all.map((p) => p[0]), t0 + 1);
     const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
     const y = (v) => H - B - ((v - ymin) / (ymax - ymin)) * (H - T - B);
     for (const frac of [0, 0.5, 1]) {
@@ -148,15 +154,22 @@
     const span = t1 - t0;
     svg.appendChild(svgEl("text", { x: L, y: H - 8 }, "-" + span.toFixed(0) + " s"));
     svg.appendChild(svgEl("text", { x: W - R, y: H - 8, "text-anchor": "end" }, "now"));
-    const d = pts.map((p) => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" ");
-    svg.appendChild(svgEl("polyline", { class: "line " + lineClass, points: d }));
-    const last = pts[pts.length - 1];
-    svg.appendChild(svgEl("circle", { class: "dot " + lineClass, cx: x(last[0]), cy: y(last[1]), r: 3 }));
+    for (const line of lines) {
+      if (line.pts.length === 0) continue;
+      const d = line.pts.map((p) => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" ");
+      svg.appendChild(svgEl("polyline", { class: "line " + line.cls, points: d }));
+      const last = line.pts[line.pts.length - 1];
+      svg.appendChild(svgEl("circle", { class: "dot " + line.cls, cx: x(last[0]), cy: y(last[1]), r: 3 }));
+    }
   }
 
   function renderCharts() {
-    drawChart(byId("chart-reward"), samples.map((s) => [s.time, s.reward]), "reward", 2, 0, 1);
-    drawChart(byId("chart-consumed"), samples.map((s) => [s.time, s.rollouts_consumed]), "consumed", 0, 0, null);
+    const series = (key, cls) => ({ points: samples.map((s) => [s.time, s[key]]), cls: cls });
+    drawChart(byId("chart-reward"), [series("reward", "reward")], 2, 0, 1);
+    drawChart(
+      byId("chart-eval"), [series("eval_accuracy", "eval-accuracy"), series("eval_reward", "eval-reward")], 2, 0, 1
+    );
+    drawChart(byId("chart-consumed"), [series("rollouts_consumed", "consumed")], 0, 0, null);
   }
 
   async function getJson(url) {

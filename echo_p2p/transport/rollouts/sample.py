@@ -168,6 +168,8 @@ class SampleServicer(LingeringServicer):
                 task.check_prompt_id(int(prompt_id))
             except TaskError as exc:
                 return SampleError.BAD_PROMPT_ID, str(exc)
+            if task.is_held_out(int(prompt_id)):
+                return SampleError.BAD_PROMPT_ID, f"prompt {prompt_id} is held out for evaluation"
         return None
 
     async def _handle(

@@ -59,3 +59,14 @@ def test_versions_per_minute_needs_ten_seconds_of_data():
     assert tracker.versions_per_minute() is None
     tracker.observe(at(T0 + 30, version=11))
     assert tracker.versions_per_minute() == 20.0
+
+
+def test_the_held_out_figures_are_a_series_of_the_history():
+    tracker = Tracker()
+    tracker.observe(at(T0))
+    s = status(summary={"eval_version": 8, "eval_accuracy": 0.5, "eval_reward": 0.4})
+    s["time"] = T0 + 1
+    tracker.observe(s)
+    samples = tracker.since(0, limit=10)
+    assert [x["eval_accuracy"] for x in samples] == [None, 0.5]
+    assert [x["eval_reward"] for x in samples] == [None, 0.4]

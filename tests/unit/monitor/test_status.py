@@ -225,3 +225,21 @@ def test_with_a_tracker_lag_is_measured_against_the_newest_version_when_the_peer
         0,
     )
     assert [(a["code"], a["peers"]) for a in s["alerts"]] == [("peer_lagging", [INF_B])]
+
+
+def test_the_held_out_figures_are_those_of_the_newest_evaluated_version_of_a_trainer_of_the_run():
+    other = "QmZ4tDuvesekSs4qM5ZBKpXiZGun7S2CYtEZRB3DYXkjGx"
+    s = build_status(
+        snap(
+            peers=[
+                trainer(policy_version=12, eval_version=10, eval_accuracy=0.5, eval_reward=0.45),
+                trainer(other, policy_version=12, eval_version=4, eval_accuracy=0.1, eval_reward=0.2),
+                trainer(IMPOSTOR, policy_version=99, eval_version=99, eval_accuracy=1.0, eval_reward=1.0),
+            ],
+            trust=trust(TRAINER, other),
+        )
+    )
+    summary = s["summary"]
+    assert (summary["eval_version"], summary["eval_accuracy"], summary["eval_reward"]) == (10, 0.5, 0.45)
+    assert by_id(s)[other]["eval_accuracy"] == 0.1
+    assert build_status(snap(peers=[trainer()]))["summary"]["eval_accuracy"] is None

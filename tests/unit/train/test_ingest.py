@@ -91,6 +91,7 @@ def test_claimed_reward_far_from_the_rescore_is_forged(validator, tok, task):
         (lambda g, tok: setattr(g, "task", "sokoban"), Reason.UNKNOWN_TASK),
         (lambda g, tok: setattr(g, "prompt_id", 30), Reason.BAD_PROMPT_ID),
         (lambda g, tok: setattr(g, "prompt_id", -1), Reason.BAD_PROMPT_ID),
+        (lambda g, tok: setattr(g, "prompt_id", 12), Reason.HELD_OUT),  # "3c=": evaluation only
         (lambda g, tok: setattr(g, "prompt_id", 8), Reason.PROMPT_MISMATCH),  # tokens are of prompt 7
         (lambda g, tok: g.prompt_token_ids.__setitem__(0, g.prompt_token_ids[0] + 1), Reason.PROMPT_MISMATCH),
         (lambda g, tok: g.completions.pop(), Reason.WRONG_GROUP_SIZE),
@@ -99,7 +100,7 @@ def test_claimed_reward_far_from_the_rescore_is_forged(validator, tok, task):
         (lambda g, tok: g.completions[1].token_ids.__setitem__(0, -3), Reason.TOKEN_OUT_OF_RANGE),
         (lambda g, tok: g.prompt_token_ids.__setitem__(0, 10**9), Reason.TOKEN_OUT_OF_RANGE),
         (lambda g, tok: setattr(g, "prompt_token_ids", g.prompt_token_ids * 10), Reason.TOO_LONG),
-        (lambda g, tok: setattr(g.completions[2], "token_ids", [5] * 8), Reason.TOO_LONG),  # count caps at 7
+        (lambda g, tok: setattr(g.completions[2], "token_ids", [5] * 13), Reason.TOO_LONG),  # count caps at 12
         (lambda g, tok: g.completions[0].logprobs.pop(), Reason.LOGPROB_MISMATCH),
         (lambda g, tok: g.completions[0].logprobs.__setitem__(0, math.nan), Reason.NON_FINITE),
         (lambda g, tok: g.completions[0].logprobs.__setitem__(0, -math.inf), Reason.NON_FINITE),
@@ -205,3 +206,12 @@ def test_a_group_sampled_with_other_settings_than_the_runs_is_refused(tok, task)
     group = make_group(tok, task)
     group.sampling = run.model_copy(update={"engine": "transformers", "precision": "8bit"})
     assert RolloutGroup.from_bytes(group.to_bytes()).sampling == group.sampling
+
+
+def test_an_honest_group_on_a_held_out_prompt_is_refused(validator, tok, task):
+    """A stranger must not train the run on its evaluation prompts, however correct the group."""
+    held = task.held_out_ids()[2]
+    group = make_group(tok, task, prompt_id=held, texts=(task.target(held),) * G)
+    result = validator.validate(group, VERSION)
+    assert isinstance(result, Rejection) and result.reason is Reason.HELD_OUT
+    assert "held out" in result.detail

@@ -71,9 +71,11 @@ def servicer(engine: Engine, **config) -> SampleServicer:
     )
 
 
-async def ask(s: SampleServicer, who: PeerID, version: int = HELD) -> list[rollouts_pb2.SampleResponse]:
+async def ask(
+    s: SampleServicer, who: PeerID, version: int = HELD, prompt_ids=(1, 2)
+) -> list[rollouts_pb2.SampleResponse]:
     request = rollouts_pb2.SampleRequest(
-        task="count", prompt_ids=[1, 2], num_completions=2, policy_version=version
+        task="count", prompt_ids=list(prompt_ids), num_completions=2, policy_version=version
     )
     context = P2PContext(handle_name="test", local_id=C, remote_id=who)
     return [r async for r in s.rpc_sample(request, context)]
@@ -189,3 +191,14 @@ async def test_a_version_announced_just_before_it_is_asked_for_is_served_without
     assert engine.reads == 2 and engine.fetched == [HELD, HELD + 1]
     assert groups_of(await asyncio.wait_for(ask(s, B, version=HELD), 10)) == [1, 2]
     assert engine.reads == 2  # version 3 is known to be announced: no read
+
+
+async def test_a_request_naming_a_held_out_prompt_is_refused(cleanup):
+    """Held-out prompts are for evaluation: a sampler does not sample them for a trainer either."""
+    engine = Engine(announced={HELD}, fetchable={HELD})
+    s = servicer(engine)
+    cleanup(s)
+    held = TASK.held_out_ids()[0]
+    error, detail = error_of(await asyncio.wait_for(ask(s, A, prompt_ids=(1, held)), 10))
+    assert error == "bad_prompt_id" and "held out" in detail
+    assert groups_of(await asyncio.wait_for(ask(s, A), 10)) == [1, 2]
