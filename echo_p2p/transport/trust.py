@@ -27,6 +27,7 @@ from pathlib import Path
 
 import base58
 
+from echo_p2p.paths import expand_path
 from echo_p2p.weights.manifest import Manifest
 
 #: Reasons ``check_manifest`` returns (also the counter names of the receiver).
@@ -62,7 +63,7 @@ class TrustedTrainers:
     @classmethod
     def from_file(cls, path: str | Path) -> TrustedTrainers:
         """Parse a trusted-trainers file; ``TrustFileError`` with file and line number on any problem."""
-        path = Path(path).expanduser()
+        path = Path(expand_path(str(path)))
         try:
             text = path.read_text()
         except OSError as exc:
