@@ -206,5 +206,11 @@ def open_trackers(
             opened.append(TensorBoardTracker(logdir, hparams))
         else:
             opened.append(WandbTracker(logdir, run_name, project, hparams))
-        logger.info("reporting training figures to %s in %s", name, logdir)
+        if name == "tensorboard":  # the command that shows them, with every trainer of this folder
+            root = config.dir or default_dir
+            logger.info(
+                "reporting training figures to tensorboard in %s: tensorboard --logdir %s", logdir, root
+            )
+        else:
+            logger.info("reporting training figures to %s in %s", name, logdir)
     return Trackers(opened)
