@@ -9,12 +9,21 @@ to import: no torch, no hivemind.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.engine_vllm import VllmEngineConfig
@@ -155,6 +164,14 @@ class InferenceSection(StrictModel):
     )
 
 
+#: A trainer peer's GRPO and optimizer settings where the given data leaves them unset (they suit the tiny
+#: preset; a model preset's ``PRESET_TRAINER_DEFAULTS`` replace them, and anything given replaces both).
+TRAINER_SECTION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"lr": 1e-3, "micro_batch_size": 256},
+    "collab": {"lr": 1e-3, "target_batch_size": 16},
+}
+
+
 class TrainerSection(StrictModel):
     """Settings of a trainer peer."""
 
@@ -169,12 +186,24 @@ class TrainerSection(StrictModel):
     )
     prompts_per_step: int = Field(default=16, ge=1, le=4096, description="Rollout groups per GRPO step")
     grpo: GRPOConfig = Field(
-        default_factory=lambda: GRPOConfig(lr=2e-3, micro_batch_size=256), description="GRPO hyperparameters"
+        default_factory=lambda: GRPOConfig(**TRAINER_SECTION_DEFAULTS["grpo"]),
+        description=f"GRPO hyperparameters; a mapping is merged over {TRAINER_SECTION_DEFAULTS['grpo']}",
     )
     collab: CollabOptimizerConfig = Field(
-        default_factory=lambda: CollabOptimizerConfig(lr=2e-3, target_batch_size=16),
-        description="hivemind.Optimizer across trainers (lr, target batch in groups, matchmaking)",
+        default_factory=lambda: CollabOptimizerConfig(**TRAINER_SECTION_DEFAULTS["collab"]),
+        description="hivemind.Optimizer across trainers (lr, target batch in groups, matchmaking); a mapping "
+        f"is merged over {TRAINER_SECTION_DEFAULTS['collab']}",
     )
+
+    @field_validator("grpo", "collab", mode="before")
+    @classmethod
+    def _merge_section_defaults(cls, value: Any, info: ValidationInfo) -> Any:
+        """A partial mapping (``--lr`` alone, or one YAML key) keeps the section's other defaults: it used to
+        replace the section with the class defaults, so ``--lr`` silently made ``target_batch_size`` 64."""
+        if isinstance(value, Mapping):
+            return {**TRAINER_SECTION_DEFAULTS[info.field_name], **value}
+        return value
+
     max_staleness: int = Field(
         default=4, ge=0, le=64, description="Async: drop rollouts more than this many versions old"
     )
@@ -281,6 +310,31 @@ class PeerConfig(StrictModel):
     @classmethod
     def _run_id(cls, value: str) -> str:
         return validate_run_id(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_defaults_in_data(cls, data: Any) -> Any:
+        """The model preset's trainer settings go under what the given mapping leaves unset, before the
+        trainer section merges its own defaults under both (``TRAINER_SECTION_DEFAULTS``)."""
+        if not isinstance(data, Mapping):
+            return data
+        run = data.get("run")
+        model = run.get("model") if isinstance(run, Mapping) else getattr(run, "model", None)
+        preset = model.get("preset") if isinstance(model, Mapping) else getattr(model, "preset", None)
+        if run is None or model is None:
+            preset = "tiny"  # RunSettings' default model
+        data = copy.deepcopy(dict(data))
+        for dotted, value in PRESET_TRAINER_DEFAULTS.get(preset or "", {}).items():
+            *parents, last = dotted.split(".")
+            node: Any = data
+            for name in parents:
+                child = node.get(name) if isinstance(node, Mapping) else None
+                if child is None and isinstance(node, dict):
+                    child = node[name] = {}
+                node = child
+            if isinstance(node, dict) and last not in node:
+                node[last] = value
+        return data
 
     @model_validator(mode="after")
     def _preset_defaults(self) -> PeerConfig:

@@ -3,7 +3,9 @@
 Owned here: launching a bootstrap, trainer(s) and inference peers as subprocesses (each in its own
 process group), watching the run through the swarm directory (a live status table), and stopping every
 process it started — on Ctrl-C, on SIGTERM, at the end of ``--duration`` or when a peer dies — by process
-group id, never by name. Logs and metrics land in ``--workdir``.
+group id, never by name. Logs and metrics land in ``--workdir``, with the run's join address
+(``join-address``); at the end the trainers' newest checkpoint is exported as a model directory
+(``<workdir>/model``, ``echo_p2p.export``) unless ``--no-export``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class LocalSwarmConfig:
     monitor: bool = False  # serve the monitor page of the run (echo_p2p.monitor) while it runs
     monitor_port: int = 0  # its port on 127.0.0.1 (0: a free one)
     heartbeat_period: float = 2.0
+    export: bool = True  # write the final policy (the trainers' newest checkpoint) into <workdir>/model
     workdir: str = field(default_factory=lambda: os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
 
 
@@ -83,6 +86,7 @@ class LocalSwarm:
         self.stop_event = threading.Event()
         self.bootstrap_maddr: str | None = None
         self.owner: str | None = None  # peer id of this run's owner key (signs the run record)
+        self.join_address: str | None = None  # RUN:OWNER@BOOTSTRAP, once started (not --colocated)
         self.started_at = time.time()
         self._spawn_lock = threading.Lock()  # late trainers start from a timer thread
 
@@ -124,6 +128,7 @@ class LocalSwarm:
             *("--run-record", str(run_record)),
         )
         self.join_address = f"{self.config.run_id}:{owner}@{self.bootstrap_maddr}"
+        (self.workdir / "join-address").write_text(self.join_address + "\n")
         common = [
             "--host-maddrs",
             LOOPBACK,
@@ -330,7 +335,32 @@ def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
     return 0
 
 
-def report_end(swarm: LocalSwarm) -> None:
+def export_final(swarm: LocalSwarm) -> tuple[dict | None, bool]:
+    """Export the trainers' newest checkpoint (the final one each writes when it stops) as a model directory,
+    ``<workdir>/model``; returns (what was written: path, version, dtype, or None; whether it failed). A
+    run that left no checkpoint (stopped before its trainers started) has nothing to export."""
+    if swarm.config.colocated or not swarm.config.export:
+        return None, False
+    try:
+        from echo_p2p.export.__main__ import quiet_progress_bars
+        from echo_p2p.export.checkpoint import export_checkpoint, newest_checkpoint
+        from echo_p2p.export.config import ExportConfig
+
+        quiet_progress_bars()
+
+        newest = newest_checkpoint(sorted((swarm.workdir / "checkpoints").glob("trainer-*")))
+        if newest is None:
+            print("no trainer checkpoint: no final policy to export", flush=True)
+            return None, False
+        out = swarm.workdir / "model"
+        result = export_checkpoint(newest.path, ExportConfig(out=str(out), overwrite=True))
+    except Exception as exc:  # the run's report still comes; the exit code says the export failed
+        print(f"error: exporting the final policy failed: {exc}", file=sys.stderr, flush=True)
+        return None, True
+    return {"path": result.path, "version": result.version, "dtype": result.dtype}, False
+
+
+def report_end(swarm: LocalSwarm, model: dict | None = None) -> None:
     """Print the run's summary and write summary.json and reward.png into the workdir."""
     config = swarm.config
     what = (
@@ -338,7 +368,7 @@ def report_end(swarm: LocalSwarm) -> None:
         if config.colocated
         else f"{config.mode}, {config.trainers} trainer(s), {config.inference} inference"
     )
-    print_report(swarm.workdir, f"{config.task} on {config.model} ({what})", swarm.started_at)
+    print_report(swarm.workdir, f"{config.task} on {config.model} ({what})", swarm.started_at, model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -400,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.monitor_port,
         help="port of the monitor page (default: a free one)",
     )
+    parser.add_argument(
+        "--no-export",
+        action="store_true",
+        help="do not write the final policy as a model directory (<workdir>/model) at the end",
+    )
     return parser
 
 
@@ -441,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
         task_options=tuple(args.task_option),
         monitor=args.monitor,
         monitor_port=args.monitor_port,
+        export=not args.no_export,
     )
     if args.workdir:
         config.workdir = args.workdir
@@ -454,6 +490,8 @@ def main(argv: list[str] | None = None) -> None:
         what = "the co-located baseline" if config.colocated else f"a local swarm ({config.mode} mode)"
         print(f"starting {what} in {swarm.workdir} (Ctrl-C stops it)", flush=True)
         swarm.start()
+        if not config.colocated:
+            print(f"join address: {swarm.join_address}", flush=True)
         if not swarm.stop_event.is_set():
             code = watch(swarm)
     except Exception as exc:
@@ -462,7 +500,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         swarm.shutdown()
         print(f"stopped {len(swarm.children)} processes; logs and metrics in {swarm.workdir}", flush=True)
-        report_end(swarm)
+        model, export_failed = export_final(swarm)
+        if export_failed and code == 0:
+            code = 1
+        report_end(swarm, model)
     sys.exit(code)
 
 

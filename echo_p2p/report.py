@@ -3,7 +3,8 @@
 Owned here: reading the per-step lines that trainers (``trainer-*.jsonl``) and the co-located baseline
 (``colocated-*.jsonl``) write through ``echo_p2p.metrics``, turning them into ``RunSummary`` (steps,
 versions, reward at the start and the end, rollouts consumed, dropped and refused, trainer idle share,
-rollouts per second, staleness), the one-line progress of the live view, and ``plot_reward``.
+rollouts per second, staleness; and where the run's final policy was exported, which the caller says), the
+one-line progress of the live view, and ``plot_reward``.
 Callers: ``echo_p2p.local`` (live view and end of run) and the benchmarks. No torch, no hivemind;
 matplotlib is imported only by ``plot_reward``, with the non-interactive Agg backend.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,9 @@ class RunSummary:
     stale_fraction: float | None = None  # (dropped as stale + refused too_stale) / sampled
     samplers_paced_fraction: float | None = None  # share of their time the samplers waited for a grant
     first_step_seconds: float | None = None  # from launch to the first training step
+    model_path: str | None = None  # the final policy as a model directory (python -m echo_p2p.export)
+    model_version: int | None = None
+    model_dtype: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,7 +138,17 @@ class RunSummary:
                 )
         if self.first_step_seconds is not None:
             out.append(f"first training step {self.first_step_seconds:.1f} s after launch")
+        if self.model_path is not None:
+            out.append(model_line(self.model_path, self.model_version, self.model_dtype))
         return out
+
+
+def model_line(path: str, version: int | None, dtype: str | None) -> str:
+    """The summary's line about the exported final policy."""
+    return (
+        f"final policy (version {'-' if version is None else version}, {dtype or '-'}) in {path}: "
+        "AutoModelForCausalLM.from_pretrained and vLLM load it"
+    )
 
 
 def summarize(runs: Runs) -> RunSummary | None:
@@ -305,10 +320,20 @@ def reward_curves(runs: Runs, start: float | None = None) -> dict[str, list[tupl
     }
 
 
-def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | None = None) -> dict[str, Any]:
-    """Write ``summary.json`` and ``reward.png`` into ``out_dir``; returns what was written (paths, summary)."""
+def write_report(
+    metrics_dir: Path,
+    out_dir: Path,
+    title: str,
+    start: float | None = None,
+    model: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``summary.json`` and ``reward.png`` into ``out_dir``; returns what was written (paths, summary).
+    ``model``: the exported final policy (``path``, ``version``, ``dtype``), named in the summary."""
     runs = Runs.load(metrics_dir)
     summary = summarize(runs)
+    if summary is not None and model is not None:
+        summary.model_path, summary.model_version = model["path"], model.get("version")
+        summary.model_dtype = model.get("dtype")
     if summary is not None and summary.kind == "swarm":
         summary.groups_sampled, summary.samplers_paced_fraction = _samplers(metrics_dir)
         if summary.groups_sampled:
@@ -326,17 +351,21 @@ def write_report(metrics_dir: Path, out_dir: Path, title: str, start: float | No
     return written
 
 
-def print_report(workdir: Path, title: str, started_at: float) -> None:
+def print_report(
+    workdir: Path, title: str, started_at: float, model: Mapping[str, Any] | None = None
+) -> None:
     """Write the report of the run whose metrics are in ``workdir/metrics`` (``write_report``) and print its
     summary; an error is printed, never raised (a report must not hide the run's own exit code)."""
     workdir = Path(workdir)
     try:
-        written = write_report(workdir / "metrics", workdir, title, start=started_at)
+        written = write_report(workdir / "metrics", workdir, title, start=started_at, model=model)
     except Exception as exc:
         print(f"could not write the report: {exc}", file=sys.stderr)
         return
     if written["summary"] is None:
         print("summary: no training step was taken", flush=True)
+        if model is not None:
+            print(f"  {model_line(model['path'], model.get('version'), model.get('dtype'))}", flush=True)
         return
     summary = RunSummary(**written["summary"])
     print("summary:", flush=True)

@@ -65,6 +65,7 @@ class TrainerPeer(BasePeer):
         self.guard = None  # roles.trainer_guard.SenderGuard: log-prob checks and bans
         self.intake = None  # where batches come from: a SyncIntake or an AsyncIntake
         self.checkpoints = None
+        self._policy_files: dict[str, bytes] | None = None  # attached to every checkpoint (export)
         self._stopping = threading.Event()
 
     # ---- setup ------------------------------------------------------------------------------------------
@@ -415,11 +416,20 @@ class TrainerPeer(BasePeer):
         if latest is not None and latest.version > version:
             return  # never write a version lower than one on disk
         self._stepper.settle()
+        from echo_p2p.export.policy_files import policy_files, policy_meta
+
+        if self._policy_files is None:  # the model's config and tokenizer: the checkpoint describes itself
+            self._policy_files = policy_files(self.model, self.tokenizer)
         self.checkpoints.save(
             version,
             self.model.state_dict(),
             self.optimizer.state_dict(),
-            {"steps": self.steps, "rollouts_consumed": self.rollouts_consumed},
+            {
+                "steps": self.steps,
+                "rollouts_consumed": self.rollouts_consumed,
+                **policy_meta(self.config.run, self.section.encoding.receiver_dtype),
+            },
+            files=self._policy_files,
         )
 
     # ---- announcements and metrics ----------------------------------------------------------------------

@@ -31,7 +31,15 @@ class CountOptions(TaskOptions):
     letters: str = Field(
         default="abcde", min_length=1, description="Letters c the prompts use (a-z, distinct)"
     )
-    max_new_tokens: int = Field(default=7, ge=1, description="Completion cap; max_n + 1 leaves room for EOS")
+    max_new_tokens: int = Field(
+        default=12,
+        ge=1,
+        description="Completion cap. It must leave a run-on answer costly: an answer that never stops is cut "
+        "here and scores n / cap. At 7 (max_n + 1) writing 7 letters scored n/7, within 0.14 of stopping "
+        "at n = 6, and a policy that had not yet learned the letter lost reward by stopping: EOS fell to "
+        "p < 1e-4 within 75 steps and was never sampled again (reward plateau 0.5). At 12 every seed "
+        "tried learns to stop (reward 0.97-0.99 after 250 co-located steps).",
+    )
 
     @field_validator("letters")
     @classmethod

@@ -13,7 +13,10 @@ Owned here: ``CheckpointConfig`` (where, how often, how many to keep), ``Checkpo
 - **Versions never go backwards**: ``save`` refuses a version lower than the newest complete checkpoint's;
   the same version may be saved again (e.g. on shutdown right after a periodic save).
 
-Layout: ``<dir>/ckpt-<seq:08d>-v<version:012d>/{model.safetensors, optimizer.pt, meta.json}``; ``seq`` grows
+Layout: ``<dir>/ckpt-<seq:08d>-v<version:012d>/{model.safetensors, optimizer.pt, meta.json}`` plus the small
+files a caller attaches (``files``: the trainer writes the model's ``config.json``, ``generation_config.json``
+and tokenizer files, so that a checkpoint describes its model and ``python -m echo_p2p.export`` needs no
+``--model``; they are listed in ``meta.json`` with their digests like the rest); ``seq`` grows
 by one per save, so checkpoints of the same version are ordered too. Model weights are safetensors (no
 code execution on load, tied weights stored once per name); the optimizer state is ``torch.save``'d and read
 back with ``weights_only=True``; ``extra`` (buffer counters, rng seeds...) must be JSON-serialisable.
@@ -89,6 +92,13 @@ class Checkpoint:
     @property
     def has_optimizer_state(self) -> bool:
         return OPTIMIZER_FILE in self.files
+
+    def read_file(self, name: str) -> bytes:
+        """The bytes of one of this checkpoint's files, checked against its sha256 in ``meta.json``
+        (``CheckpointError`` when it is not listed, unreadable or corrupt)."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.path.name} has no file {name!r}")
+        return _verified_bytes(self, name)
 
 
 @dataclass
@@ -174,15 +184,26 @@ class CheckpointManager:
         model_state: Mapping[str, torch.Tensor],
         optimizer_state: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        files: Mapping[str, bytes] | None = None,
     ) -> Checkpoint:
         """Write a checkpoint of ``version`` atomically and prune old ones; returns it.
 
+        ``files``: more files to write into the checkpoint, by plain file name (e.g. the model's config and
+        tokenizer files), each listed in ``meta.json`` with its size and sha256.
         Raises ``CheckpointVersionError`` if ``version`` is lower than the newest complete checkpoint's,
-        ``TypeError`` if ``extra`` is not JSON-serialisable (nothing is written then).
+        ``TypeError`` if ``extra`` is not JSON-serialisable, ``ValueError`` for a file name that is not a
+        plain name or is one of the checkpoint's own (nothing is written then).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         extra_json = json.loads(json.dumps(dict(extra or {})))  # fails early on non-JSON values
+        attached = dict(files or {})
+        for name in attached:
+            if (
+                name in (MODEL_FILE, OPTIMIZER_FILE, META_FILE, "", ".", "..")
+                or os.path.basename(name) != name
+            ):
+                raise ValueError(f"cannot attach a file named {name!r} to a checkpoint")
         latest = self.latest()
         if latest is not None and version < latest.version:
             raise CheckpointVersionError(
@@ -199,6 +220,8 @@ class CheckpointManager:
             files = {MODEL_FILE: _write_model(tmp / MODEL_FILE, model_state)}
             if optimizer_state is not None:
                 files[OPTIMIZER_FILE] = _write_torch(tmp / OPTIMIZER_FILE, dict(optimizer_state))
+            for name, data in attached.items():
+                files[name] = _write_bytes(tmp / name, bytes(data))
             meta = {
                 "format": FORMAT_VERSION,
                 "seq": seq,

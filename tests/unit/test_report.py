@@ -147,3 +147,21 @@ def test_the_written_report_counts_what_the_samplers_made_and_how_much_came_too_
     assert summary["stale_fraction"] == pytest.approx((87 + 13) / 1000)  # duplicates are not staleness
     assert summary["samplers_paced_fraction"] == pytest.approx(40 / 80)
     assert summary["first_step_seconds"] == pytest.approx(10.0)
+
+
+def test_the_summary_names_the_exported_final_policy(tmp_path, capsys):
+    from echo_p2p.report import print_report
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    write_trainer(metrics, "a", 12)
+    model = {"path": str(tmp_path / "model"), "version": 12, "dtype": "bfloat16"}
+    print_report(tmp_path, "count on tiny", 990.0, model)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["model_path"], summary["model_version"], summary["model_dtype"]) == (
+        str(tmp_path / "model"),
+        12,
+        "bfloat16",
+    )
+    assert f"final policy (version 12, bfloat16) in {tmp_path / 'model'}" in capsys.readouterr().out
+    assert write_report(metrics, tmp_path, "t")["summary"]["model_path"] is None

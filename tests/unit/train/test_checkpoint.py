@@ -165,3 +165,22 @@ def test_due_every_n_versions_counts_from_the_last_checkpoint_on_disk(tmp_path: 
     mgr.save(25, model.state_dict())
     assert not mgr.due(29) and mgr.due(30)
     assert not CheckpointManager(tmp_path, save_every=None).due(10_000)
+
+
+def test_attached_files_are_listed_verified_and_plain_named(tmp_path: Path) -> None:
+    """Files attached to a checkpoint (the trainer's model config and tokenizer) are in meta.json with their
+    digests, read back verified, and must be plain names that are not the checkpoint's own files."""
+    model, opt = _model_and_optimizer()
+    mgr = CheckpointManager(tmp_path)
+    ckpt = mgr.save(2, model.state_dict(), opt.state_dict(), files={"config.json": b'{"a": 1}'})
+    assert ckpt.read_file("config.json") == b'{"a": 1}' and "config.json" in ckpt.files
+    assert mgr.load().version == 2
+    (ckpt.path / "config.json").write_bytes(b'{"a": 2}')
+    with pytest.raises(CheckpointError, match="sha256"):
+        ckpt.read_file("config.json")
+    with pytest.raises(CheckpointError, match="no file"):
+        ckpt.read_file("tokenizer.json")
+    for bad in (META_FILE, MODEL_FILE, "../x.json", "sub/x.json", ""):
+        with pytest.raises(ValueError, match="cannot attach"):
+            mgr.save(3, model.state_dict(), files={bad: b"x"})
+    assert mgr.latest().version == 2  # nothing written by the refused saves
