@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from echo_p2p.net.identity import IdentityError, load_or_create_identity
 
-    path = Path(args.identity_path).expanduser()
+    path = Path(expand_path(args.identity_path))
     if not path.exists():  # never create one here: a new key would not be the trainer's
         parser.error(f"{path} does not exist (start the trainer once with --identity-path to create it)")
     try:
