@@ -7,12 +7,14 @@ Callers: the ``bootstrap``, ``peer``, ``swarm`` and ``local`` entry points. Must
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable
 
 EXIT_CONFIG = 2  #: invalid flags or configuration (before any network start)
 EXIT_START = 1  #: could not start or join (port busy, initial peers silent, bad identity file)
+EXIT_INTERRUPTED = 130  #: stopped at once by a second Ctrl-C (128 + SIGINT, as a shell reports it)
 
 
 def add_network_flags(parser: argparse.ArgumentParser, *, host_default_help: str) -> None:
@@ -117,18 +119,71 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def install_stop_handlers(stop: Callable[[], None]) -> None:
-    """SIGINT and SIGTERM call ``stop()`` once; a second SIGINT exits at once."""
-    seen = {"n": 0}
+class StopSignals:
+    """Ctrl-C and SIGTERM stop this process cleanly; a second Ctrl-C stops it at once.
 
-    def _handler(signum, _frame):
-        seen["n"] += 1
-        if seen["n"] > 1 and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        stop()
+    The first SIGINT or SIGTERM calls ``stop()`` (once) and says so on stderr; a second SIGINT kills every
+    descendant of this process (DHT child, p2pd, averager processes, the peers a launcher started) with
+    SIGKILL and exits ``EXIT_INTERRUPTED`` without waiting for the clean stop. hivemind sets SIGINT to
+    ignored in a process that starts an averager (``hivemind.Optimizer``) and a process may inherit it
+    ignored: ``reassert()`` puts these handlers back; callers call it after building such parts.
+    """
 
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
+    def __init__(self, stop: Callable[[], None]):
+        self._stop = stop
+        self.received = 0
+
+    def install(self) -> StopSignals:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def reassert(self) -> bool:
+        """Install the handlers again if something replaced them; True if it had to."""
+        replaced = any(signal.getsignal(s) != self._handle for s in (signal.SIGINT, signal.SIGTERM))
+        if replaced:
+            self.install()
+        return replaced
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received += 1
+        if self.received == 1:
+            interrupted = signum == signal.SIGINT
+            _say("Ctrl-C: stopping (press it again to stop at once)" if interrupted else "SIGTERM: stopping")
+            self._stop()
+        elif signum == signal.SIGINT:
+            _say("stopping at once")
+            kill_descendants()
+            os._exit(EXIT_INTERRUPTED)
+
+
+def _say(text: str) -> None:
+    """One line on stderr from a signal handler (no logging lock, no buffered stream)."""
+    try:
+        os.write(2, f"{text}\n".encode())
+    except OSError:
+        pass
+
+
+def kill_descendants() -> int:
+    """SIGKILL every process this one started, and theirs (found by parent pid, never by name); the count."""
+    import psutil
+
+    try:
+        found = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return 0
+    for proc in found:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return len(found)
+
+
+def install_stop_handlers(stop: Callable[[], None]) -> StopSignals:
+    """``StopSignals(stop)``, installed."""
+    return StopSignals(stop).install()
 
 
 def run_peer(peer, what: str) -> None:
@@ -140,18 +195,17 @@ def run_peer(peer, what: str) -> None:
     """
     from echo_p2p.net.node import NodeStartError
 
-    install_stop_handlers(peer.request_stop)
+    signals = install_stop_handlers(peer.request_stop)
     try:
         try:
             peer.start()
         except (FileNotFoundError, ValueError) as exc:
             raise NodeStartError(f"the {what} could not start: {exc}") from exc
+        signals.reassert()  # hivemind.Optimizer's averagers set SIGINT to ignored in this process
         peer.run()
     except NodeStartError as exc:
         peer.shutdown()
         fail(str(exc), EXIT_START)
-    except KeyboardInterrupt:
-        pass
     finally:
         peer.shutdown()
     sys.exit(getattr(peer, "exit_code", 0))

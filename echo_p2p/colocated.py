@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import signal
 import sys
 import threading
 import time
@@ -41,9 +40,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from echo_p2p.cli import add_task_option_flag
+from echo_p2p.cli import add_task_option_flag, install_stop_handlers
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.models import ModelSpec
+from echo_p2p.paths import UserPath
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.evaluation import EvalConfig
 
@@ -92,7 +92,7 @@ class ColocatedConfig(BaseModel):
     threads: int | None = Field(
         default=None, ge=1, description="torch intra-op threads (None: leave torch's default)."
     )
-    metrics_dir: str | None = Field(
+    metrics_dir: UserPath | None = Field(
         default=None, description="Write one JSON line per step to <dir>/colocated-<name>.jsonl."
     )
     name: str = Field(default="baseline", description="Names the metrics file (the 'peer id' field).")
@@ -442,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     trainer = ColocatedTrainer(config)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: trainer.shutdown())
+    install_stop_handlers(trainer.shutdown)
     try:
         records = trainer.run()
     finally:

@@ -31,6 +31,7 @@ from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.records import MAX_RECORD_TTL
+from echo_p2p.paths import UserPath, expand_path
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.evaluation import EvalConfig
 from echo_p2p.train.pacing import PacingConfig
@@ -130,7 +131,7 @@ class InferenceSection(StrictModel):
     vllm: VllmEngineConfig = Field(
         default_factory=VllmEngineConfig, description="Settings of the vLLM engine (engine: vllm)"
     )
-    trusted_trainers: str | None = Field(
+    trusted_trainers: UserPath | None = Field(
         default=None,
         description="File of the trainers' public keys / peer ids that this peer accepts weights from and "
         "pushes rollouts to (docs/trust.md); required unless the run has an owner (run_owner / run_record)",
@@ -175,7 +176,7 @@ TRAINER_SECTION_DEFAULTS: dict[str, dict[str, Any]] = {
 class TrainerSection(StrictModel):
     """Settings of a trainer peer."""
 
-    trusted_trainers: str | None = Field(
+    trusted_trainers: UserPath | None = Field(
         default=None,
         description="File of the run's trainers (docs/trust.md) among whom the publisher is elected, for runs "
         "without an owner; unset and no run owner: any peer announcing itself a trainer takes part",
@@ -231,7 +232,7 @@ class TrainerSection(StrictModel):
     encoding: EncodingConfig = Field(
         default_factory=lambda: EncodingConfig(keyframe_interval=10), description="How versions are published"
     )
-    checkpoint_dir: str | None = Field(default=None, description="Write checkpoints here (None: none)")
+    checkpoint_dir: UserPath | None = Field(default=None, description="Write checkpoints here (None: none)")
     checkpoint_every: int = Field(default=10, ge=1, description="Versions between two checkpoints")
     journal: bool = Field(
         default=True,
@@ -278,7 +279,7 @@ class PeerConfig(StrictModel):
     network: NetworkConfig = Field(
         default_factory=NetworkConfig, description="Addresses, identity, deadlines"
     )
-    metrics_dir: str | None = Field(
+    metrics_dir: UserPath | None = Field(
         default=None, description="Append metrics as JSON lines to <dir>/<role>-<peer id>.jsonl"
     )
     metrics_period: float = Field(
@@ -300,7 +301,7 @@ class PeerConfig(StrictModel):
         description="Peer id of the run owner's key (the OWNER of a --join address): this peer trusts the "
         "trainers of the newest valid run record that key signed (docs/trust.md)",
     )
-    run_record: str | None = Field(
+    run_record: UserPath | None = Field(
         default=None,
         description="A signed run record file (python -m echo_p2p.owner sign): this peer keeps it on the DHT "
         "and trusts its trainers (given to the trainers; a bootstrap takes one too)",
@@ -393,10 +394,10 @@ class BootstrapConfig(StrictModel):
         description="Listening addresses (default: all interfaces, TCP 31337), identity, other bootstraps; "
         "reachable by definition (reachability public: it relays for peers behind NAT from the start)",
     )
-    maddrs_file: str | None = Field(
+    maddrs_file: UserPath | None = Field(
         default=None, description="Write the visible multiaddrs here, one per line"
     )
-    run_record: str | None = Field(
+    run_record: UserPath | None = Field(
         default=None,
         description="A signed run record file (python -m echo_p2p.owner sign) to keep on the DHT: peers that "
         "join with the run owner's address find the run's trainers through it",
@@ -482,7 +483,7 @@ def build_config(
     flags: Mapping[str, Any] | None = None,
 ) -> Any:
     """Merge defaults < YAML < environment < flags (dotted names -> values; None = not given) and validate."""
-    data: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    data: dict[str, Any] = load_yaml(expand_path(yaml_path)) if yaml_path else {}
     if environ is not None:
         for dotted, value in env_overrides(environ, env_fields or ENV_VARS).items():
             set_dotted(data, dotted, value)

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail
+from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail, install_stop_handlers
 from echo_p2p.local_keys import bootstrap_address, make_run_record
+from echo_p2p.local_phases import phases_block
 from echo_p2p.report import Runs, print_report, progress_line, reward_reached
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -313,6 +314,8 @@ def _watch_loop(swarm: LocalSwarm, table: Callable[[], str] | None) -> int:
         progress = progress_line(runs)
         if progress:
             print(progress, flush=True)
+        elif table:  # no step yet: what each process is doing (importing, joining, loading, waiting)
+            print(phases_block((c.name, c.log) for c in swarm.children), flush=True)
         dead = swarm.dead_children()
         if config.colocated and dead and dead[0].proc.returncode == 0:
             return 0  # the co-located run ended its --duration by itself
@@ -481,8 +484,7 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging("WARNING")
     swarm = LocalSwarm(config)
-    signal.signal(signal.SIGTERM, lambda *_: swarm.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: swarm.stop_event.set())
+    install_stop_handlers(swarm.stop_event.set)  # a second Ctrl-C kills every peer's process tree at once
     code = 0
     try:
         what = "the co-located baseline" if config.colocated else f"a local swarm ({config.mode} mode)"

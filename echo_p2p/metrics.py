@@ -21,7 +21,6 @@ class MetricsWriter:
         self.peer_id = peer_id
         self.path: str | None = None
         if metrics_dir:
-            metrics_dir = os.path.expanduser(metrics_dir)
             os.makedirs(metrics_dir, exist_ok=True)
             self.path = os.path.join(metrics_dir, f"{role}-{peer_id}.jsonl")
 

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     section = config.inference if config.role == "inference" else config.trainer
     if section.trusted_trainers:
         try:
-            TrustedTrainers.from_file(os.path.expanduser(section.trusted_trainers))
+            TrustedTrainers.from_file(section.trusted_trainers)
         except (TrustFileError, OSError) as exc:
             fail(f"--trusted-trainers: {exc}", EXIT_CONFIG)
     if config.run_record:

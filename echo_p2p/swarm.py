@@ -1,7 +1,8 @@
 """``python -m echo_p2p.swarm status --initial-peers ... --run-id NAME [--json]``: who is in a run.
 
 Joins the DHT as a client (it stores nothing and serves nothing), reads the run's directory once and prints
-it as a table for people, or as JSON for programs — the status that the monitor serves at ``/api/status``
+it as a table for people (REACH: direct, relayed or unreachable, from the addresses each peer announces),
+or as JSON for programs — the status that the monitor serves at ``/api/status``
 (``echo_p2p.monitor.status``: run header, peers, publishers, bans, alerts). Given the run's join address
 (or its trusted-trainers file), peers that announce themselves trainers without being the run's are marked
 IMPOSTOR.
@@ -35,12 +36,16 @@ def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
     def fmt(v: Any, spec: str = "") -> str:
         return "-" if v is None else format(v, spec)
 
-    header = f"{'PEER ID':<20} {'ROLE':<10} {'STATE':<8} {'MODE':<5} {'VER':>5} {'TOK/S':>8} {'ROLL/S':>7} {'ROOM':>5} {'WAIT':>5} {'SEEN':>6}"
+    header = (
+        f"{'PEER ID':<20} {'ROLE':<10} {'STATE':<8} {'MODE':<5} {'REACH':<11} {'VER':>5} {'TOK/S':>8} "
+        f"{'ROLL/S':>7} {'ROOM':>5} {'WAIT':>5} {'SEEN':>6}"
+    )
     lines = [f"run {run_id}: {len(rows)} peer(s)", header]
     for r in rows:
         state = "IMPOSTOR" if r.get("trusted") is False else r["state"]
         lines.append(
             f"{'…' + r['peer_id'][-19:]:<20} {r['role']:<10} {state:<8} {fmt(r['mode']):<5} "
+            f"{fmt(r.get('reachability')):<11} "
             f"{fmt(r['policy_version']):>5} {fmt(r['tokens_per_second'], '.1f'):>8} "
             f"{fmt(r['rollouts_per_second'], '.2f'):>7} {fmt(r['free_buffer_room']):>5} {_share(r.get('waiting_for_grants')):>5} "
             f"{fmt(r['last_seen_s'], '.0f'):>5}s"

@@ -28,6 +28,7 @@ from echo_p2p.export.config import (
 )
 from echo_p2p.export.model_dir import prepare_out, write_model_dir
 from echo_p2p.export.policy_files import PolicyMeta, skeleton_from_files
+from echo_p2p.paths import expand_path
 from echo_p2p.train.checkpoint import (
     META_FILE,
     MODEL_FILE,
@@ -45,7 +46,7 @@ _OWN_FILES = (MODEL_FILE, OPTIMIZER_FILE, META_FILE)
 def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at ``path`` (a ``ckpt-...`` directory), or the newest complete one in ``path`` (a
     trainer's checkpoint directory); ``ExportError`` when there is none."""
-    path = Path(path).expanduser()
+    path = Path(expand_path(str(path)))
     if not path.is_dir():
         raise ExportError(f"no checkpoint at {path}: not a directory")
     if (path / META_FILE).is_file():

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p.ml.models import ModelSpec
+from echo_p2p.paths import UserPath
 
 #: Dtypes an export can be written in (the names of ``torch.float32`` ... and of ``--dtype``).
 ExportDtype = Literal["float32", "bfloat16", "float16"]
@@ -40,7 +41,7 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    out: str = Field(
+    out: UserPath = Field(
         description="The model directory to write (created; its parent must exist or is created)."
     )
     dtype: ExportDtype | None = Field(

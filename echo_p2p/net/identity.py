@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import base58
 
+from echo_p2p.paths import expand_path
+
 
 class IdentityError(RuntimeError):
     """An identity file that cannot be read, parsed or written."""
@@ -72,7 +74,7 @@ def load_or_create_identity(path: str | None) -> Identity:
         tmp_path = os.path.join(tmpdir, "identity.key")
         P2P.generate_identity(tmp_path)
         return Identity(tmp_path, _read_private_key(tmp_path), ephemeral=True, _tmpdir=tmpdir)
-    path = os.path.abspath(os.path.expanduser(path))
+    path = os.path.abspath(expand_path(path))
     if not os.path.exists(path):
         parent = os.path.dirname(path)
         try:

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from echo_p2p.paths import UserPath
+
 _MADDR_PROTOCOLS = {  # protocol -> takes a value
     "ip4": True,
     "ip6": True,
@@ -82,7 +84,7 @@ class NetworkConfig(BaseModel):
         default_factory=list,
         description="Multiaddrs others should dial (e.g. a public IP behind port forwarding)",
     )
-    identity_path: str | None = Field(
+    identity_path: UserPath | None = Field(
         default=None, description="Private key file; created when missing; keeps the peer id across restarts"
     )
     reachability: Literal["auto", "public", "private"] = Field(

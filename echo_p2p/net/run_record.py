@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.records import MAX_RUN_RECORD_BYTES as MAX_RECORD_BYTES
 from echo_p2p.net.records import MAX_SIGNATURE_BYTES, MAX_STR, SignedRunRecord
+from echo_p2p.paths import expand_path
 
 #: Signatures over run records carry this prefix (a signature made for a manifest cannot be replayed here).
 SIGNING_DOMAIN = b"echo_p2p/run/v1\x00"
@@ -207,7 +208,7 @@ def read_file(path: str | Path) -> tuple[RunRecord, bytes, bytes]:
     """``(record, record bytes, signature)`` of a signed record file whose signature verifies with the key
     inside it (``ValueError`` with the reason otherwise; an expired record is refused too)."""
     try:
-        data = msgpack.unpackb(Path(path).expanduser().read_bytes(), raw=False)
+        data = msgpack.unpackb(Path(expand_path(str(path))).read_bytes(), raw=False)
         record_bytes, signature = bytes(data["record"]), bytes(data["signature"])
         record = RunRecord.model_validate(msgpack.unpackb(record_bytes, raw=False))
     except OSError as exc:

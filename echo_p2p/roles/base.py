@@ -102,6 +102,7 @@ class BasePeer:
         cached = [m for m in self.peer_cache.load() if m not in network.initial_peers]
         if cached:  # peers met before: the run can be joined through them when every bootstrap is down
             network = network.model_copy(update={"initial_peers": [*network.initial_peers, *cached]})
+        logger.info("%s joining run %r", self.prefix(), self.config.run_id)
         self.dht = start_dht(network, self.identity, [self.keys])
         self.directory = SwarmDirectory(
             self.dht, self.keys, self.identity, self.config.network.request_timeout
@@ -110,13 +111,15 @@ class BasePeer:
         self.maddrs, self.reachability = self.reach.current()
         self.trust = self._make_trust()
         self._keep_run_record()
-        if not wait_for(self.refresh_trust, RUN_RECORD_WAIT, period=1.0):
+        wait_for(lambda: self.stop_event.is_set() or self.refresh_trust(), RUN_RECORD_WAIT, period=1.0)
+        if self.trust.owner is not None and self.trust.record is None and not self.stop_event.is_set():
             logger.warning(
                 "%s no run record of owner %s found yet: no trainer is trusted until one arrives",
                 self.prefix(),
                 self.trust.owner,
             )
         self.announce()
+        logger.info("%s loading the model and the task", self.prefix())
         self.on_start()
         logger.info(
             "%s joined run %r in %.2f s; listening on %s",

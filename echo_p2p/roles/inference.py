@@ -130,10 +130,13 @@ class InferencePeer(BasePeer):
                 self.engine.update_weights(tensors, weights.changed)  # only what the patches changed
             else:
                 self.engine.load_weights(tensors)
+            first = self.policy_version is None
             self.policy_version = weights.version
         with self._new_version:
             self._new_version.notify_all()
-        logger.info("%s now samples with policy version %d", self.prefix(), weights.version)
+        # the fetcher logs the versions applied (a few lines a minute); the first one is a milestone
+        log = logger.info if first else logger.debug
+        log("%s now samples with policy version %d", self.prefix(), weights.version)
 
     def _ensure_version(self, version: int) -> bool:
         """Sync mode: hold ``version`` (fetching it if needed) before sampling; False if nobody published it."""

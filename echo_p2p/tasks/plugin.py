@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
+from echo_p2p.paths import UserPath
 from echo_p2p.rollout import MAX_ABS_REWARD
 from echo_p2p.tasks.base import Task, TaskOptions
 from echo_p2p.tasks.plugin_loader import PluginError, RewardFunction, load_prompt_rows, load_reward_function
@@ -39,7 +40,7 @@ RewardWeight = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, all
 
 
 class PluginOptions(TaskOptions):
-    reward: str | list[str] = Field(
+    reward: UserPath | list[UserPath] = Field(
         description="Reward function(s), each 'package.module:function' or 'path/to/file.py:function'; "
         "a list is TRL's reward_funcs: a completion's reward is the weighted sum of the functions' values"
     )
@@ -47,7 +48,7 @@ class PluginOptions(TaskOptions):
         default=None,
         description="One weight per reward function, in order (TRL's reward_weights); None: all 1.0",
     )
-    prompts: str = Field(description="A .jsonl file or a datasets.save_to_disk directory")
+    prompts: UserPath = Field(description="A .jsonl file or a datasets.save_to_disk directory")
     prompt_column: str = Field(
         default="prompt",
         description="Column holding the prompt: a text, or a list of {role, content} messages (TRL's "

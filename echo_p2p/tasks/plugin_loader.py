@@ -42,7 +42,7 @@ def load_reward_function(spec: str) -> RewardFunction:
             f"reward function {spec!r} must look like 'package.module:function' or 'file.py:function'"
         )
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
-        path = Path(module_part).expanduser()
+        path = Path(module_part)
         if not path.is_file():
             raise PluginError(f"reward module file not found: {path}")
         name = f"echo_p2p_reward_plugin_{abs(hash(str(path.resolve())))}"
@@ -76,7 +76,7 @@ def load_prompt_rows(
 ) -> list[dict[str, Any]]:
     """Rows of a JSONL file or of a ``datasets.save_to_disk`` directory; each must have a string
     ``prompt_column``."""
-    source = Path(path).expanduser()
+    source = Path(path)
     if source.is_dir():
         rows = _load_dataset_dir(source, split)
     elif source.is_file():

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from echo_p2p.paths import UserPath, expand_path
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -65,7 +67,7 @@ class CheckpointConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    directory: str = Field(description="Directory of this trainer's checkpoints (created when missing).")
+    directory: UserPath = Field(description="Directory of this trainer's checkpoints (created when missing).")
     save_every: int | None = Field(
         default=10,
         ge=1,
@@ -120,7 +122,7 @@ class CheckpointManager:
             raise ValueError("keep_last must be >= 1")
         if save_every is not None and save_every < 1:
             raise ValueError("save_every must be >= 1 or None")
-        self.directory = Path(directory).expanduser()
+        self.directory = Path(expand_path(str(directory)))
         self.keep_last = keep_last
         self.save_every = save_every
         self._last_saved_version: int | None = None

@@ -21,6 +21,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from echo_p2p.paths import UserPath
+
 logger = logging.getLogger(__name__)
 
 TrackerName = Literal["tensorboard", "wandb"]
@@ -73,7 +75,7 @@ class ReportConfig(BaseModel):
         default_factory=list,
         description="Trackers to write to: tensorboard (event files), wandb (an offline run); none by default",
     )
-    dir: str | None = Field(
+    dir: UserPath | None = Field(
         default=None,
         description="Folder of the trackers' files; default <metrics_dir>/tensorboard (runs/tensorboard "
         "without a metrics dir); each trainer writes into its own trainer-<peer id> folder inside",
@@ -203,7 +205,7 @@ def open_trackers(
     """Open the trackers of ``config`` in ``<config.dir or default_dir>/<run_name>``."""
     if not config.report_to:
         return Trackers([])
-    logdir = os.path.join(os.path.expanduser(config.dir or default_dir), run_name)
+    logdir = os.path.join(config.dir or default_dir, run_name)
     os.makedirs(logdir, exist_ok=True)
     opened: list[Tracker] = []
     for name in config.report_to:
@@ -211,5 +213,11 @@ def open_trackers(
             opened.append(TensorBoardTracker(logdir, hparams))
         else:
             opened.append(WandbTracker(logdir, run_name, project, hparams))
-        logger.info("reporting training figures to %s in %s", name, logdir)
+        if name == "tensorboard":  # the command that shows them, with every trainer of this folder
+            root = config.dir or default_dir
+            logger.info(
+                "reporting training figures to tensorboard in %s: tensorboard --logdir %s", logdir, root
+            )
+        else:
+            logger.info("reporting training figures to %s in %s", name, logdir)
     return Trackers(opened)

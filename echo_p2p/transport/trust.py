@@ -27,6 +27,7 @@ from pathlib import Path
 
 import base58
 
+from echo_p2p.paths import expand_path
 from echo_p2p.weights.manifest import Manifest
 
 #: Reasons ``check_manifest`` returns (also the counter names of the receiver).
@@ -62,7 +63,7 @@ class TrustedTrainers:
     @classmethod
     def from_file(cls, path: str | Path) -> TrustedTrainers:
         """Parse a trusted-trainers file; ``TrustFileError`` with file and line number on any problem."""
-        path = Path(path).expanduser()
+        path = Path(expand_path(str(path)))
         try:
             text = path.read_text()
         except OSError as exc:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from echo_p2p.net.identity import IdentityError, load_or_create_identity
 
-    path = Path(args.identity_path).expanduser()
+    path = Path(expand_path(args.identity_path))
     if not path.exists():  # never create one here: a new key would not be the trainer's
         parser.error(f"{path} does not exist (start the trainer once with --identity-path to create it)")
     try:

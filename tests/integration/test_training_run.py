@@ -119,7 +119,28 @@ def test_local_colocated_baseline_reports_like_the_swarm(tmp_path):
     assert evals and evals[0]["eval_version"] == 0 and summary["evaluations"] == len(evals)
 
 
+def ctrl_c(proc: subprocess.Popen) -> list:
+    """What a terminal's Ctrl-C does to a foreground job: SIGINT to its whole process group (the peer, its
+    DHT child, p2pd, the averagers). Returns the processes of the peer's tree, to check they are gone."""
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert tree, "a trainer runs its DHT, p2pd and averagers in child processes"
+    os.killpg(proc.pid, signal.SIGINT)
+    return tree
+
+
+def assert_gone(tree: list) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
 def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_path):
+    """Stopped with Ctrl-C (hivemind's averagers set SIGINT to ignored in the trainer: it used to run on),
+    a trainer leaves cleanly with its checkpoint; the restarted one resumes from it, and a second Ctrl-C
+    stops it at once (exit 130). Neither leaves a process behind."""
     boot, maddr = procs.bootstrap()
     ident = str(tmp_path / "trainer.id")
     ckpt = str(tmp_path / "ckpt")
@@ -135,8 +156,10 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     procs.peer("inference", "resume", maddr, "--trusted-trainers", str(trusted), *common)
     wait_until(lambda: len(trainer_steps(metrics)) >= 12 or trainer.poll() is not None, 180, what="12 steps")
     assert trainer.poll() is None, read_log(trainer)
-    trainer.send_signal(signal.SIGTERM)
-    assert trainer.wait(timeout=60) == 0, read_log(trainer)
+    tree = ctrl_c(trainer)
+    assert trainer.wait(timeout=30) == 0, read_log(trainer)[-3000:]
+    assert_gone(tree)
+    assert "Ctrl-C: stopping" in read_log(trainer) and "left the run" in read_log(trainer)
     before = trainer_steps(metrics)[-1]["version"]
     assert before >= 10
     n_before = len(trainer_steps(metrics))
@@ -155,7 +178,15 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     )
     after = [s["version"] for s in trainer_steps(metrics)[n_before:]]
     assert min(after) >= before, f"version went back: {before} -> {after[:5]}"
-    time.sleep(0.1)
+
+    tree = ctrl_c(trainer2)  # and again at once, while it stops: no waiting for the clean stop
+    wait_until(lambda: "Ctrl-C: stopping" in read_log(trainer2), 10, 0.01, "the first Ctrl-C")
+    t0 = time.monotonic()
+    os.killpg(trainer2.pid, signal.SIGINT)
+    assert trainer2.wait(timeout=10) == 130, read_log(trainer2)[-3000:]
+    assert time.monotonic() - t0 < 5 and "stopping at once" in read_log(trainer2)
+    assert "left the run" not in read_log(trainer2)  # it did not wait for the clean stop
+    assert_gone(tree)
 
 
 def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tmp_path):

@@ -29,6 +29,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
+from echo_p2p.logs import RateLimitedLog
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, Reason
@@ -37,6 +38,10 @@ from echo_p2p.transport.rollouts.config import PusherConfig
 from echo_p2p.transport.rollouts.ingest import DELIVERED, RolloutIngestServicer, Status
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two lines about rollouts refused for the same reason by the same trainer (with a count):
+#: a policy at its plateau repeats itself, and each repeat is refused as duplicate_content.
+REFUSAL_LOG_PERIOD = 10.0
 
 
 # ---- inference side ---------------------------------------------------------------------------------------
@@ -131,6 +136,7 @@ class RolloutPusher:
         self.stale_floor: int | None = None  # the newest policy version of a group refused as too stale
         #: called (in the sender thread) with a trainer's version when an ack reports a newer one
         self.on_trainer_version: Callable[[int], None] | None = None
+        self._refusals_log = RateLimitedLog(logger, REFUSAL_LOG_PERIOD)  # per (trainer, reason)
 
     # ---- API of the sampling thread ---------------------------------------------------------------------
     def start(self) -> RolloutPusher:
@@ -425,9 +431,11 @@ class RolloutPusher:
                 if reason == Reason.TOO_STALE.value:
                     version = item.group.policy_version
                     self.stale_floor = version if self.stale_floor is None else max(self.stale_floor, version)
-                # staleness is routine in async mode (counted, in the metrics); anything else is worth a line
-                log = logger.debug if reason == "too_stale" else logger.warning
-                log(
+                # staleness is routine in async mode (counted, in the metrics); anything else is worth a
+                # line, one per trainer and reason every REFUSAL_LOG_PERIOD s with how many it stands for
+                self._refusals_log.log(
+                    logging.DEBUG if reason == "too_stale" else logging.WARNING,
+                    (trainer.peer_id, reason),
                     "trainer %s rejected rollout %s: %s %s",
                     trainer.peer_id,
                     item.group.rollout_id,

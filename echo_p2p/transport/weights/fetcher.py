@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from echo_p2p.logs import VERSION_LINE_PERIOD, RateLimitedLog
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
@@ -86,6 +87,10 @@ class WeightFetcher:
         self.endpoint = endpoint or WeightsEndpoint(dht, keys, self.config.limits, serve=self.config.serve)
         self.directory = SwarmDirectory(dht, keys, identity, self.config.request_timeout)
         self.stats = FetchStats()
+        self._failed_log = RateLimitedLog(logger, 10.0)
+        self._applied_log = RateLimitedLog(
+            logger, VERSION_LINE_PERIOD, "{n} versions applied in {seconds:.0f} s"
+        )
         self._weights: PolicyWeights | None = None
         self._lock = threading.Lock()  # guards _weights
         self._update_lock = threading.Lock()  # one fetch at a time
@@ -152,8 +157,12 @@ class WeightFetcher:
                     if exc.reason == "stopped":
                         logger.info("fetch of version %d stopped: shutting down", record.version)
                         return None
-                    logger.warning(
-                        "fetching version %d from %s failed: %s", record.version, record.peer_id[-8:], exc
+                    self._failed_log.warning(  # one line per reason every 10 s: a newer version is routine
+                        exc.reason,
+                        "fetching version %d from %s failed: %s",
+                        record.version,
+                        record.peer_id[-8:],
+                        exc,
                     )
                     if exc.reason not in _STALE_REASONS or self._stop.is_set():
                         return None
@@ -379,7 +388,8 @@ class WeightFetcher:
             self._retain(entries)
         phases["serve"] = time.monotonic() - t_start - sum(phases.values())
         self.stats.last_phases = phases
-        logger.info(
+        self._applied_log.info(
+            "applied",
             "applied version %d (%s) in %.2f s: %.1f MiB from %d providers",
             record.version,
             " + ".join(m.encoding for m in (a.manifest for a in assemblers)),

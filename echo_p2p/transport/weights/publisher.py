@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from echo_p2p.logs import VERSION_LINE_PERIOD, RateLimitedLog
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
@@ -75,6 +76,9 @@ class WeightPublisher:
         )
         self.record: PolicyRecord | None = None
         self.published_versions = 0
+        self._published_log = RateLimitedLog(
+            logger, VERSION_LINE_PERIOD, "{n} versions published in {seconds:.0f} s"
+        )
         self.last_encode_seconds: float | None = None
         self.announce_failures = 0
         self._chain: list[ServedVersion] = []
@@ -121,7 +125,8 @@ class WeightPublisher:
             record = self._make_record()
             self.record = record
         self._announce_current()
-        logger.info(
+        self._published_log.info(
+            "published",
             "published version %d (%s) in %.2f s: %s",
             version,
             ", ".join(f"{e.manifest.encoding} {e.manifest.total_bytes / 2**20:.1f} MiB" for e in entries),

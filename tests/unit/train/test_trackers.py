@@ -3,6 +3,7 @@ offline, a clear install line when a package is missing, and a failing tracker t
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from collections import Counter
@@ -24,11 +25,16 @@ def scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_tensorboard_event_files_hold_the_trainer_figures_under_trl_names(tmp_path):
+def test_tensorboard_event_files_hold_the_trainer_figures_under_trl_names(tmp_path, caplog, monkeypatch):
     pytest.importorskip("tensorboard")
+    monkeypatch.setattr(logging.getLogger("echo_p2p"), "propagate", True)  # off once a CLI set up logging
+    caplog.set_level(logging.INFO, logger="echo_p2p.train.trackers")
     opened = open_trackers(
         ReportConfig(report_to=["tensorboard"]), str(tmp_path), "trainer-Qm1", "echo_p2p-r", {"lr": 0.002}
     )
+    # the trainer's log names the folder and the command that shows it (the README's line may not match a
+    # run's --metrics-dir / --report-dir)
+    assert f"tensorboard --logdir {tmp_path}" in caplog.text
     for step in (1, 2, 3):
         figures = {
             "reward_mean": 0.1 * step,

@@ -86,3 +86,36 @@ def test_acks_report_the_trainer_version_and_too_stale_refusals_raise_the_stale_
     assert seen == [9]  # called only when the version moves
     pusher._settle(trainer, [], rollouts_pb2.PushAck(policy_version=10))
     assert seen == [9, 10]
+
+
+def test_refusals_of_one_kind_are_logged_once_per_period_with_a_count(caplog, monkeypatch):
+    """A policy at its plateau repeats itself: hundreds of duplicate_content refusals a minute were each a
+    warning line (4,942 in 3 minutes); now one line per trainer and reason every 10 s, with the count."""
+    import logging
+
+    from echo_p2p.transport.rollouts.push import REFUSAL_LOG_PERIOD, Reason, Status, _Item
+
+    pusher = RolloutPusher(loop=None, directory=None)
+    now = [0.0]
+    pusher._refusals_log._clock = lambda: now[0]
+    trainer = _Trainer("QmTrainer", [], room=10, stamp=0.0)
+    monkeypatch.setattr(logging.getLogger("echo_p2p"), "propagate", True)  # off once a CLI set up logging
+    caplog.set_level(logging.WARNING, logger="echo_p2p.transport.rollouts.push")
+
+    def refuse(n: int) -> None:
+        items = [_Item(_group(5), b"") for _ in range(n)]
+        acks = [
+            rollouts_pb2.GroupAck(
+                rollout_id=i.group.rollout_id, status=Status.REJECTED, reason=Reason.DUPLICATE_CONTENT.value
+            )
+            for i in items
+        ]
+        pusher._settle(trainer, items, rollouts_pb2.PushAck(acks=acks, free_room=10))
+
+    refuse(300)
+    now[0] += REFUSAL_LOG_PERIOD
+    refuse(1)
+    lines = [r.getMessage() for r in caplog.records if "rejected rollout" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[1].endswith(f"(x 300 in the last {REFUSAL_LOG_PERIOD:.0f} s)"), lines[1]
+    assert pusher.rejected[Reason.DUPLICATE_CONTENT.value] == 301  # the metrics count every one
