@@ -100,7 +100,10 @@ def test_claimed_reward_far_from_the_rescore_is_forged(validator, tok, task):
         (lambda g, tok: g.completions[1].token_ids.__setitem__(0, -3), Reason.TOKEN_OUT_OF_RANGE),
         (lambda g, tok: g.prompt_token_ids.__setitem__(0, 10**9), Reason.TOKEN_OUT_OF_RANGE),
         (lambda g, tok: setattr(g, "prompt_token_ids", g.prompt_token_ids * 10), Reason.TOO_LONG),
-        (lambda g, tok: setattr(g.completions[2], "token_ids", [5] * 13), Reason.TOO_LONG),  # count caps at 12
+        (
+            lambda g, tok: setattr(g.completions[2], "token_ids", [5] * 13),
+            Reason.TOO_LONG,
+        ),  # count caps at 12
         (lambda g, tok: g.completions[0].logprobs.pop(), Reason.LOGPROB_MISMATCH),
         (lambda g, tok: g.completions[0].logprobs.__setitem__(0, math.nan), Reason.NON_FINITE),
         (lambda g, tok: g.completions[0].logprobs.__setitem__(0, -math.inf), Reason.NON_FINITE),
