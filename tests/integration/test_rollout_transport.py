@@ -98,7 +98,7 @@ def run(request):
 
 
 def honest_group(prompt_id: int = 7, version: int = VERSION, texts=None, sampler: str = "") -> RolloutGroup:
-    texts = texts or [TASK.target(prompt_id)] * G
+    texts = texts or [TASK.target(prompt_id)] * (G - 1) + [TASK.target(prompt_id) * 2]  # rewards vary
     prompt = encode_prompts(TOK, [TASK.prompt(prompt_id)], use_chat_template=False)[0]
     completions = []
     for text in texts:
@@ -320,7 +320,7 @@ def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_send
     replay = original.model_copy(deep=True)
     replay.rollout_id = uuid.uuid4().hex  # the same completions under a new id
     impersonating = honest_group(4, sampler=i1.peer_id)  # claims the honest peer sampled it
-    flood = [honest_group(p) for p in (5, 6, 8)]
+    flood = [honest_group(p) for p in (5, 8, 11)]  # 6 is held out
     ack = i2.loop.run(push(i2, [original, replay, impersonating, *flood]), timeout=15)
     verdicts = [a.reason or "accepted" for a in ack.acks]
     # the stranger alone fills the buffer (there is room: nobody is crowded out)
@@ -339,7 +339,7 @@ def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_send
     assert buffer.held_by(i2.peer_id) == 2  # its two oldest groups went
     assert {
         g.prompt_id for g in (e.scored.group for e in buffer._heap) if g.sampler_peer_id == i2.peer_id
-    } == {6, 8}
+    } == {8, 11}
     assert buffer.held_by(i1.peer_id) == 2 and len(buffer) == 4
 
 
