@@ -83,7 +83,7 @@ class BootstrapPeer:
             from echo_p2p.net.run_record import JoinAddress
 
             record = self._run_record[2]
-            join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs))
+            join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs), record.serial)
             print(f"and the run {record.run_id} with:\n  --join {join}", flush=True)
         if self.monitor_config is not None:
             self._start_monitor(self._run_record[0].run_id if self._run_record is not None else run_ids[0])

@@ -47,6 +47,9 @@ WRONG_OWNER = "wrong_owner"
 BAD_SIGNATURE = "bad_signature"
 WRONG_RUN = "wrong_run"
 EXPIRED = "expired"
+OLDER_THAN_KNOWN = "older_than_known"  # a serial below the one the join address names
+#: Largest serial a join address may name (a signed 64-bit integer).
+MAX_SERIAL = 2**63 - 1
 
 
 class RunRecord(BaseModel):
@@ -155,13 +158,17 @@ def verify(
 
 
 def newest_valid(
-    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None
+    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None, min_serial: int = 0
 ) -> tuple[RunRecord | None, dict[str, int]]:
-    """The valid record with the highest serial (then the latest issue time) and the refusals by reason."""
+    """The valid record with the highest serial (then the latest issue time) and the refusals by reason;
+    a record below ``min_serial`` (the serial the join address names) is refused (``older_than_known``):
+    an eclipse serving only an older record cannot roll the trusted trainers back."""
     best: RunRecord | None = None
     refused: dict[str, int] = {}
     for item in signed:
         result = verify(item.record, item.signature, run_id, owner, now)
+        if not isinstance(result, str) and result.serial < min_serial:
+            result = OLDER_THAN_KNOWN
         if isinstance(result, str):
             refused[result] = refused.get(result, 0) + 1
             continue
@@ -173,15 +180,27 @@ def newest_valid(
 # ---- the join address ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JoinAddress:
-    """``RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...]``: everything a peer needs to join a run and trust it."""
+    """``RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...][#SERIAL]``: everything a peer needs to join a run and trust it.
+
+    ``SERIAL`` (optional; addresses without it still parse) is the serial of the run record in force when the
+    address was made: a peer joining with it refuses any older record (``older_than_known``)."""
 
     run_id: str
     owner: str
     initial_peers: tuple[str, ...]
+    min_serial: int = 0
 
     @classmethod
     def parse(cls, text: str) -> JoinAddress:
-        head, sep, tail = text.strip().partition("@")
+        text, hash_, serial_text = text.strip().partition("#")
+        min_serial = 0
+        if hash_:
+            if not serial_text.isdigit() or len(serial_text) > 19 or int(serial_text) > MAX_SERIAL:
+                raise ValueError(
+                    f"the run record serial after '#' must be an integer, got {serial_text[:24]!r}"
+                )
+            min_serial = int(serial_text)
+        head, sep, tail = text.partition("@")
         run_id, colon, owner = head.partition(":")
         if not sep or not colon:
             raise ValueError(f"a join address is RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...], got {text[:80]!r}")
@@ -193,10 +212,11 @@ class JoinAddress:
             raise ValueError(
                 "a join address needs at least one multiaddr after '@' (e.g. /ip4/.../tcp/.../p2p/...)"
             )
-        return cls(run_id, owner, maddrs)
+        return cls(run_id, owner, maddrs, min_serial)
 
     def __str__(self) -> str:
-        return f"{self.run_id}:{self.owner}@{','.join(self.initial_peers)}"
+        serial = f"#{self.min_serial}" if self.min_serial else ""
+        return f"{self.run_id}:{self.owner}@{','.join(self.initial_peers)}{serial}"
 
 
 # ---- the record file -------------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ class BasePeer:
                 peer_id=self.peer_id, record=record_bytes, signature=signature
             )
         if owner is not None:
-            trust = RunTrust(owner=owner, run_id=config.run_id)
+            trust = RunTrust(owner=owner, run_id=config.run_id, min_serial=config.run_record_serial)
             if self._signed_run_record is not None and trust.update([self._signed_run_record]):
                 self._check_run_settings(trust.record)
             return trust

@@ -144,3 +144,34 @@ def test_owner_cli_signs_a_record_of_a_trainers_file_and_shows_it(people, tmp_pa
                 str(out),
             ]
         )
+
+
+def test_a_run_record_older_than_the_join_addresss_is_refused(people):
+    """Run-record rollback, found by an attacker: a stranger's DHT node serving only the owner's older record
+    (naming a trainer since removed) made a fresh reader trust that trainer again. A join address now names
+    the serial in force when it was made, and a peer joining with it refuses any older record."""
+    owner = people["owner"].peer_id
+    maddr = "/ip4/127.0.0.1/tcp/31337/p2p/QmBoot"
+    join = rr.JoinAddress.parse(f"r1:{owner}@{maddr}#3")
+    assert join.min_serial == 3 and str(join) == f"r1:{owner}@{maddr}#3"
+    assert rr.JoinAddress.parse(f"r1:{owner}@{maddr}").min_serial == 0  # old addresses still parse
+    for bad in ("#", "#-1", "#x", "#1.5", f"#{2**63}", "#" + "9" * 40):
+        with pytest.raises(ValueError):
+            rr.JoinAddress.parse(f"r1:{owner}@{maddr}{bad}")
+    trust = RunTrust(owner=owner, run_id="r1", min_serial=join.min_serial)
+    old = make(people, serial=2, trainers=("stranger",))  # the eclipse serves only the older record
+    assert not trust.update([old]) and trust.record is None
+    assert not trust.is_trusted(people["stranger"].peer_id)
+    assert trust.refused == {rr.OLDER_THAN_KNOWN: 1}
+    assert trust.update([old, make(people, serial=3, trainers=("t1",))])  # the one it names is taken
+    assert trust.is_trusted(people["t1"].peer_id) and not trust.is_trusted(people["stranger"].peer_id)
+
+
+def test_a_join_addresss_serial_reaches_the_peers_trust(people):
+    from echo_p2p.peer import parse_config
+
+    owner = people["owner"].peer_id
+    config = parse_config(
+        ["--role", "inference", "--join", f"r1:{owner}@/ip4/127.0.0.1/tcp/1/p2p/QmBoot#5"], {}
+    )
+    assert config.run_record_serial == 5 and config.run_owner == owner
