@@ -601,7 +601,11 @@ def test_a_paced_sampler_stops_when_the_trainer_wants_nothing_and_resumes_when_i
             count = pusher.reserve(batch, timeout=0.5, stop_event=stop)
             for _ in range(count):
                 n = len(made)  # distinct completions: no group repeats another's content
-                made.append(honest_group(n % 30, texts=[TASK.target(n % 30), "b" * (n // 30 + 1)]))
+                ids = [i for i in range(TASK.num_prompts) if not TASK.is_held_out(i)]
+                p = ids[n % len(ids)]
+                made.append(
+                    honest_group(p, texts=[TASK.target(p), "z" * (n // len(ids) + 1)])
+                )  # rewards 1, 0
                 pusher.submit([made[-1]], timeout=5)
 
     sampler = threading.Thread(target=sample, daemon=True)
