@@ -263,6 +263,7 @@ class TrainerPeer(BasePeer):
     def work(self) -> None:
         self._work_started = time.monotonic()
         idle_since: float | None = None
+        self._maybe_evaluate()  # the starting policy, before a sync trainer's first collect blocks on samplers
         while not self.stop_event.is_set():
             if self.section.max_steps is not None and self.steps >= self.section.max_steps:
                 logger.info("%s reached max_steps=%d; stopping", self.prefix(), self.section.max_steps)
