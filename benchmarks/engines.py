@@ -1,4 +1,4 @@
-"""Sampling engines side by side (issue 13): tokens/s and behaviour log-prob agreement with the trainer.
+"""Sampling engines side by side: tokens/s and behaviour log-prob agreement with the trainer.
 
 Arms, each an ``Engine`` on the same model, prompts and sampling settings, in one process:
   transformers        ``TransformersEngine`` at the model's dtype (fp32 by default)

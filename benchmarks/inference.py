@@ -1,4 +1,4 @@
-"""Benchmark of the inference peer (issue 4): sampling throughput, and behaviour log-probs vs the trainer's.
+"""Benchmark of the inference peer: sampling throughput, and behaviour log-probs vs the trainer's.
 
 (a) Throughput: tokens/s of a running inference peer's per-batch work (``InferencePeer._sample``: encode the
     task's prompts, ``TransformersEngine.sample``, decode, score with the task's verifier, build

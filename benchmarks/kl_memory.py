@@ -1,4 +1,4 @@
-"""What the KL penalty's reference policy costs in memory (issue 28 item 4): resident memory of a trainer's
+"""What the KL penalty's reference policy costs in memory: resident memory of a trainer's
 policy with and without the frozen reference (``train.reference``), and the peak of one GRPO step with it.
 
 Each arm runs in a fresh interpreter (resident memory is not given back reliably within one): load the

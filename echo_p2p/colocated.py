@@ -1,6 +1,6 @@
 """The co-located baseline: one process that alternates sampling and training, as a single-cluster system does.
 
-This is the reference Echo's claim is measured against (issue 6): the same model, task and
+This is the reference Echo's claim is measured against (arXiv 2508.05387): the same model, task and
 hyper-parameters as a swarm run, but generation and GRPO updates time-share one process (verl-style), so
 inference idles while the learner trains and vice versa. Every step: draw ``prompts_per_step`` prompts,
 sample ``group_size`` completions of each with ``TransformersEngine`` under the current policy, score them

@@ -10,7 +10,6 @@ to import: no torch, no hivemind.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -234,6 +233,9 @@ class TrainerSection(StrictModel):
     )
     checkpoint_dir: UserPath | None = Field(default=None, description="Write checkpoints here (None: none)")
     checkpoint_every: int = Field(default=10, ge=1, description="Versions between two checkpoints")
+    keep_checkpoints: int = Field(
+        default=2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted"
+    )
     journal: bool = Field(
         default=True,
         description="Async: keep every acknowledged rollout group in checkpoint_dir/intake.journal until it "
@@ -509,7 +511,3 @@ def format_validation_error(exc: ValidationError) -> str:
             msg = "unknown field"
         lines.append(f"config field '{loc}': {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
-
-
-def default_env() -> Mapping[str, str]:
-    return os.environ

@@ -1,6 +1,6 @@
 """Progress of policy-version downloads for people: a bar on a terminal, a log line now and then elsewhere.
 
-CLI layer only (STYLE: progress bars live in the CLI): the peer CLI hands a ``WeightsProgress`` to the
+CLI layer only (progress bars live in the CLI, never in roles or transports): the peer CLI hands a ``WeightsProgress`` to the
 inference peer, which passes it to its weight fetcher as the progress callback. The figures themselves are
 in the peer's metrics either way.
 """

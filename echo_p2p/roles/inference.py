@@ -20,6 +20,9 @@ from echo_p2p.roles.base import BasePeer
 
 logger = logging.getLogger(__name__)
 
+#: Providers whose byte counts a metrics line lists (the largest first); the rest are only counted.
+MAX_PROVIDERS_REPORTED = 8
+
 
 class InferencePeer(BasePeer):
     role = "inference"
@@ -336,7 +339,12 @@ class InferencePeer(BasePeer):
             out["sample_rpc"] = self.sample_server.stats()
         if self.fetcher is not None:
             fetch = self.fetcher.stats_dict()
-            out["weights"] = {k: fetch[k] for k in list(fetch)[:12]}
+            by_provider = fetch.get("bytes_by_provider") or {}
+            if len(by_provider) > MAX_PROVIDERS_REPORTED:  # one metrics line stays small in a large swarm
+                top = sorted(by_provider.items(), key=lambda kv: kv[1], reverse=True)
+                fetch["bytes_by_provider"] = dict(top[:MAX_PROVIDERS_REPORTED])
+                fetch["providers_not_reported"] = len(top) - MAX_PROVIDERS_REPORTED
+            out["weights"] = fetch  # every figure (it kept the first 12 keys and lost bytes, bans, serving)
         if self.policy_version is not None and self.directory is not None:
             out["version_lag"] = self._version_lag()
         return out

@@ -133,7 +133,9 @@ class TrainerPeer(BasePeer):
         loaded = None
         if section.checkpoint_dir:
             self.checkpoints = CheckpointManager(
-                section.checkpoint_dir, keep_last=2, save_every=section.checkpoint_every
+                section.checkpoint_dir,
+                keep_last=section.keep_checkpoints,
+                save_every=section.checkpoint_every,
             )
             if section.resume and self.checkpoints.latest() is not None:
                 loaded = self.checkpoints.load()

@@ -1,14 +1,22 @@
-"""GRPO training, pure ML (no networking): loss maths, batching, replay buffer and the learner.
+"""GRPO training, pure ML (no networking): what a trainer learns from, how, and what it refuses.
 
-- ``grpo``: advantages, per-token log-probs, the clipped GRPO loss (pure functions).
+- ``config``: ``GRPOConfig``, the update's hyper-parameters (validated without torch).
+- ``grpo``: advantages, per-token log-probs, the clipped GRPO loss and its KL term (pure functions).
 - ``batching``: scored groups -> right-padded tensors and micro-batches.
+- ``memory``: bytes per token of a forward/backward; the micro-batch token limit of a memory budget.
+- ``learner``: ``Learner`` (forward/backward with gradient accumulation, drift probes).
+- ``reference``: the frozen starting policy of the KL penalty.
 - ``buffer``: ``ScoredGroup`` and ``ReplayBuffer`` (staleness policy); pure Python, no torch.
-- ``memory``: bytes per token of a forward/backward from a model's config; the micro-batch token limit of
-  a memory budget (``GRPOConfig.micro_batch_memory_mb``).
-- ``learner``: ``GRPOConfig`` and ``Learner`` (forward/backward with gradient accumulation).
+- ``pacing``: how many groups a trainer grants each sender (the async swarm's pacing rule).
+- ``ingest``: validation of untrusted rollout groups (shapes, versions, re-scored rewards, held-out prompts).
+- ``reputation``, ``drift``: senders' log-prob checks, strikes and bans; how far the policy itself moved.
+- ``journal``: acknowledged groups on disk until used (a killed trainer loses none).
+- ``checkpoint``: atomic policy + optimizer checkpoints.
+- ``evaluation``: held-out evaluation on a schedule with a time budget.
+- ``trackers``: TensorBoard / wandb figures under TRL's names.
 
-Used by the trainer peer. Names are re-exported lazily, so ``import echo_p2p.train.buffer`` (the trainer's
-ingest path) never imports torch.
+Used by the trainer peer and the co-located loop. Names are re-exported lazily, so
+``import echo_p2p.train.buffer`` (the trainer's ingest path) never imports torch.
 """
 
 from __future__ import annotations

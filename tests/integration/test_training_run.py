@@ -140,7 +140,12 @@ def assert_gone(tree: list) -> None:
 def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_path):
     """Stopped with Ctrl-C (hivemind's averagers set SIGINT to ignored in the trainer: it used to run on),
     a trainer leaves cleanly with its checkpoint; the restarted one resumes from it, and a second Ctrl-C
-    stops it at once (exit 130). Neither leaves a process behind."""
+    stops it at once (exit 130). Neither leaves a process behind.
+
+    The trainer trains with a KL penalty (``--kl-beta``, TRL's ``beta``; it used to fail at start: no
+    reference model was built): the KL to its frozen starting policy is 0 at version 0 and grows, and the
+    resumed trainer rebuilds the same reference from the run's model spec, not from the resumed weights
+    (the KL of its first step is then that of the trained policy, not 0)."""
     boot, maddr = procs.bootstrap()
     ident = str(tmp_path / "trainer.id")
     ckpt = str(tmp_path / "ckpt")
@@ -151,7 +156,7 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
 
     trusted.write_text(trainer_key_line(load_or_create_identity(ident)) + "\n")
     common = ("--threads", "1", "--metrics-dir", str(metrics), "--heartbeat-period", "1")
-    trainer_args = ("--identity-path", ident, "--checkpoint-dir", ckpt, *common)
+    trainer_args = ("--identity-path", ident, "--checkpoint-dir", ckpt, "--kl-beta", "0.05", *common)
     trainer = procs.peer("trainer", "resume", maddr, *trainer_args)
     procs.peer("inference", "resume", maddr, "--trusted-trainers", str(trusted), *common)
     wait_until(lambda: len(trainer_steps(metrics)) >= 12 or trainer.poll() is not None, 180, what="12 steps")
@@ -163,6 +168,8 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     before = trainer_steps(metrics)[-1]["version"]
     assert before >= 10
     n_before = len(trainer_steps(metrics))
+    kl_before = [s["kl"] for s in trainer_steps(metrics)]
+    assert kl_before[0] == 0.0 and kl_before[-1] > 0, kl_before  # version 0: the policy is its reference
 
     trainer2 = procs.peer("trainer", "resume", maddr, *trainer_args, "--resume")
     wait_until(
@@ -178,6 +185,9 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     )
     after = [s["version"] for s in trainer_steps(metrics)[n_before:]]
     assert min(after) >= before, f"version went back: {before} -> {after[:5]}"
+    first_after = trainer_steps(metrics)[n_before]
+    # a reference taken from the resumed weights would give exactly 0 here
+    assert first_after["kl"] > 0.5 * kl_before[-1], (first_after["kl"], kl_before[-1])
 
     tree = ctrl_c(trainer2)  # and again at once, while it stops: no waiting for the clean stop
     wait_until(lambda: "Ctrl-C: stopping" in read_log(trainer2), 10, 0.01, "the first Ctrl-C")
