@@ -213,8 +213,9 @@ def run_peer(peer, what: str) -> None:
         signals.reassert()  # hivemind.Optimizer's averagers set SIGINT to ignored in this process
         peer.run()
     except NodeStartError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)  # said before the clean stop, which takes seconds
         peer.shutdown()
-        fail(str(exc), EXIT_START)
+        sys.exit(EXIT_START)
     finally:
         peer.shutdown()
     sys.exit(getattr(peer, "exit_code", 0))

@@ -134,9 +134,9 @@ def _print_init(run: InitializedRun) -> None:
     for name, line in lines.items():
         if name.startswith("trainer-"):
             print(f"  {line}")
-    print(
-        f"\n3. donors join with one line (a GPU: add --config peers/inference-gpu.yaml):\n  {lines['inference']}"
-    )
+    donor = shlex.join(["bash", "scripts/join.sh", *start_lines(run, "python")["inference"][5:]])
+    print("\n3. donors join with one command from a clone of echo_p2p (it sets up .venv the first time):")
+    print(f"  {donor}\n  or, with .venv set up:\n  {lines['inference']}")
     print(f"\nkeep {run.workdir / 'identities' / 'owner.id'} off the trainers: it signs the run's records "
           "(python -m echo_p2p.owner sign, to add or remove trainers)")  # fmt: skip
 

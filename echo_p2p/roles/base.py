@@ -67,6 +67,7 @@ class BasePeer:
         self.trust = None  # transport.trust.RunTrust: whom this peer takes for the run's trainers
         self._signed_run_record: SignedRunRecord | None = None  # the owner's record, if this peer keeps it
         self._announcer: threading.Thread | None = None
+        self._announced = False  # a record of this peer was stored once
         self._shutdown_done = False
         self._lock = threading.Lock()
 
@@ -157,7 +158,8 @@ class BasePeer:
             self._announcer.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:
             try:
-                self.announce(state="leaving", timeout=LEAVING_TIMEOUT)
+                if self._announced:  # say it leaves (a join refused at start announced nothing)
+                    self.announce(state="leaving", timeout=LEAVING_TIMEOUT)
             except Exception as exc:  # leaving must never fail
                 logger.debug("could not announce leaving: %s", exc)
             stop_dht(self.dht)
@@ -291,6 +293,7 @@ class BasePeer:
     ) -> bool:
         assert self.directory is not None, "start() first"
         ok = self.directory.announce(self.record(state), ttl or self.config.record_ttl, timeout)
+        self._announced = self._announced or ok
         if not ok:
             self.announcements_failed += 1
             logger.warning("%s announcement was not stored by any DHT node", self.prefix())

@@ -25,12 +25,16 @@ def owner_init(tmp_path, *flags: str) -> tuple[str, dict[str, list[str]]]:
     assert r.returncode == 0, r.stderr
     join = next(line.split(": ", 1)[1] for line in r.stdout.splitlines() if line.startswith("join address: "))
     lines: dict[str, list[str]] = {}
+    script: list[str] = []
     for line in r.stdout.splitlines():
-        if line.startswith("  "):
-            args = shlex.split(line)
-            assert args[0] == sys.executable and args[1] == "-m"
+        args = shlex.split(line) if line.startswith("  ") else []
+        if args[:2] == ["bash", "scripts/join.sh"]:
+            script = args
+        elif args[:2] == [sys.executable, "-m"]:
             role = args[args.index("--role") + 1] if "--role" in args else "bootstrap"
             lines.setdefault(role, args[1:])  # the first trainer's line
+    # the donor's one command from a fresh clone (scripts/join.sh: set-up, then this peer) is the same peer
+    assert script[2:] == lines["inference"][4:], (script, lines["inference"])
     return join, lines
 
 
