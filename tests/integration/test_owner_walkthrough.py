@@ -57,3 +57,13 @@ def test_owner_init_then_the_printed_lines_make_a_run_a_donor_joins_and_trains(p
     )
     assert stepped.search(read_log(trainer)), read_log(trainer)[-3000:] + read_log(donor)[-3000:]
     assert "applied version" in read_log(donor), read_log(donor)[-3000:]
+    # with the run up, every hop of a join passes the doctor (trainer reachable, a weight manifest, a room query)
+    r = subprocess.run(
+        [sys.executable, "-m", "echo_p2p.doctor", "--join", join], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    hops = [row.split(":")[0] for row in r.stdout.splitlines()]
+    assert hops == [
+        f"ok   {h}"
+        for h in ("bootstrap", "clock", "run record", "trainers", "trainer reachable", "weights", "room")
+    ], r.stdout
