@@ -1,5 +1,6 @@
 """A donor's mistakes against a real bootstrap keeping a real run record (``owner init``'s): a wrong owner id, a
-wrong run id and an unreachable bootstrap are each refused within seconds, exit 1, with what is wrong."""
+wrong run id and an unreachable bootstrap are each refused within seconds, exit 1, with what is wrong; and a
+node whose clock is far off the bootstrap's is refused at the DHT start."""
 
 from __future__ import annotations
 
@@ -75,3 +76,29 @@ def test_a_wrong_owner_a_wrong_run_id_and_an_unreachable_bootstrap_are_named_at_
                 pass
             proc.wait(10)
     assert boot.poll() is None  # the bootstrap served throughout
+
+
+def test_a_clock_far_off_the_bootstraps_is_refused_at_once_with_the_offset(monkeypatch):
+    """A real bootstrap node, and a joining node whose DHT clock runs 5 minutes ahead (hivemind's DHT time,
+    patched before its DHT process forks): the join is refused in seconds, naming the offset and the fix."""
+    import hivemind.dht.protocol
+
+    from echo_p2p.config import NetworkConfig
+    from echo_p2p.net.node import NodeStartError, start_dht, stop_dht, visible_maddrs
+
+    boot_identity, peer_identity = load_or_create_identity(None), load_or_create_identity(None)
+    boot = start_dht(NetworkConfig(host_maddrs=[LOOPBACK]), boot_identity)
+    try:
+        maddr = visible_maddrs(boot)[0]
+        monkeypatch.setattr(hivemind.dht.protocol, "get_dht_time", lambda: time.time() + 300)
+        t0 = time.monotonic()
+        with pytest.raises(
+            NodeStartError, match=r"this machine's clock is \+300 s off the bootstrap's"
+        ) as err:
+            stop_dht(start_dht(NetworkConfig(host_maddrs=[LOOPBACK], initial_peers=[maddr]), peer_identity))
+        assert "set the clock" in str(err.value)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop_dht(boot)
+        boot_identity.cleanup()
+        peer_identity.cleanup()
