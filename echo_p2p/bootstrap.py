@@ -83,7 +83,7 @@ class BootstrapPeer:
 
         if self._run_record is not None:
             record = self._run_record[2]
-            join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs))
+            join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs), record.serial)
             print(f"and the run {record.run_id} with:\n  --join {join}", flush=True)
         else:  # no record kept here: the address of any run whose trainers keep theirs, owner left to fill
             join = JoinAddress("RUN_ID", "OWNER_PEER_ID", tuple(self.maddrs))

@@ -303,6 +303,13 @@ class PeerConfig(StrictModel):
         description="Peer id of the run owner's key (the OWNER of a --join address): this peer trusts the "
         "trainers of the newest valid run record that key signed (docs/trust.md)",
     )
+    run_record_serial: int = Field(
+        default=0,
+        ge=0,
+        le=2**63 - 1,
+        description="Refuse run records with a lower serial (the #SERIAL of a --join address): an eclipse "
+        "serving only an older record cannot roll the trusted trainers back",
+    )
     run_record: UserPath | None = Field(
         default=None,
         description="A signed run record file (python -m echo_p2p.owner sign): this peer keeps it on the DHT "

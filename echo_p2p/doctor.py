@@ -129,7 +129,9 @@ class Doctor:
         deadline = time.monotonic() + RECORD_WAIT
         while True:
             found = [e.record for e in self.directory.run_records()]
-            self.record, _ = newest_valid(found, self.join.run_id, self.join.owner)
+            self.record, _ = newest_valid(
+                found, self.join.run_id, self.join.owner, min_serial=self.join.min_serial
+            )
             if self.record is not None:
                 r = self.record
                 return (
@@ -137,7 +139,9 @@ class Doctor:
                     f"model {r.model}, task {r.task}, mode {r.mode}"
                 )
             if time.monotonic() >= deadline:
-                raise HopFailed(explain_missing(found, self.join.run_id, self.join.owner))
+                raise HopFailed(
+                    explain_missing(found, self.join.run_id, self.join.owner, min_serial=self.join.min_serial)
+                )
             time.sleep(0.5)
 
     def listed_trainers(self) -> str:

@@ -3,8 +3,9 @@
 
 ``init`` is the owner's one command: it makes the owner key, the trainers' and the bootstrap's identity
 keys in one folder, signs the run record, and prints the run's join address and the exact lines that start
-the bootstrap, each trainer and a donor's inference peer (``init_run``, ``start_lines``). ``sign`` writes a signed ``RunRecord`` (the run's trainers, what it trains, a serial and an expiry) with the
-owner's identity and prints the join address fragment; the bootstrap and the trainers are started with
+the bootstrap, each trainer and a donor's inference peer (``init_run``, ``start_lines``). ``sign`` writes a
+signed ``RunRecord`` (the run's trainers, what it trains, a serial and an expiry) with the owner's identity
+and prints the join address fragment; the bootstrap and the trainers are started with
 ``--run-record FILE`` and keep it on the DHT, every other peer joins with ``--join RUN:OWNER@MADDRS``.
 ``show`` verifies a record file and prints it.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from echo_p2p.net.keys import validate_run_id
-from echo_p2p.net.run_record import RunRecord, read_file, sign, write_file
+from echo_p2p.net.run_record import JoinAddress, RunRecord, read_file, sign, write_file
 
 #: The port a public bootstrap listens on unless ``--port`` says otherwise.
 DEFAULT_PORT = 31337
@@ -84,10 +85,11 @@ def init_run(
     boot_identity, listen, maddr = bootstrap_address(workdir, host if local else "0.0.0.0", port)
     announce = None if local else f"/ip4/{host}/tcp/{port}"
     dial = maddr if local else f"{announce}/p2p/{maddr.rsplit('/', 1)[1]}"
-    join_address = f"{run_id}:{owner}@{dial}"
+    signed = read_file(record)[0]
+    join_address = str(JoinAddress(run_id, owner, (dial,), signed.serial))  # who joins refuses older records
     (workdir / "join-address").write_text(join_address + "\n")
     identities = tuple(workdir / "identities" / f"trainer-{i}.id" for i in range(trainers))
-    expires_at = read_file(record)[0].expires_at
+    expires_at = signed.expires_at
     return InitializedRun(
         run_id, workdir, owner, record, boot_identity, listen, announce, identities, join_address,
         model, task, mode, expires_at,

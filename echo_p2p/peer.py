@@ -218,6 +218,8 @@ def parse_config(argv: list[str] | None = None, environ=None):
             raise ConfigError(f"--run-id {args.run_id} differs from the run of --join ({join.run_id})")
         flags["run_id"] = join.run_id
         flags["run_owner"] = join.owner
+        if join.min_serial:
+            flags["run_record_serial"] = join.min_serial
         if not flags.get("network.initial_peers"):
             flags["network.initial_peers"] = list(join.initial_peers)
     return build_config(

@@ -106,6 +106,10 @@ class RunSummary:
     seconds_training: float = 0.0  # first to last step line
     reward_first: float = float("nan")  # mean of the first WINDOW steps
     reward_final: float = float("nan")  # mean of the last WINDOW steps
+    # the trainers' mean re-scored reward of the last groups they received, the ones they do not train on
+    # included (all-equal rewards, repeats of accepted content): the trained groups' mean reads low once most
+    # groups are right, since those are the ones left out
+    received_reward_final: float | None = None
     rollouts_consumed: int = 0
     rollouts_per_second: float = 0.0
     dropped_stale: int = 0
@@ -138,6 +142,12 @@ class RunSummary:
             f"reward {self.reward_first:.3f} (first {WINDOW} steps) -> {self.reward_final:.3f} (last {WINDOW})",
             f"rollout groups consumed {self.rollouts_consumed} ({self.rollouts_per_second:.1f}/s)",
         ]
+        if self.received_reward_final is not None:
+            out.insert(
+                2,
+                f"reward of every group received at the end {self.received_reward_final:.3f} (re-scored; the "
+                "groups trained on leave out those whose completions all score the same)",
+            )
         if self.kind == "swarm":
             refused = sum(self.refused_at_ingest.values())
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.refused_at_ingest.items())) or "none"
@@ -226,6 +236,11 @@ def _summarize_swarm(runs: Runs) -> RunSummary:
         for reason, n in (last.get("rejected") or {}).items():
             refused[reason] = refused.get(reason, 0) + int(n)
     idles = [last["idle_fraction"] for last in lasts if last.get("idle_fraction") is not None]
+    received = [
+        float(x["received_reward_mean"])
+        for lines in runs.lines.values()
+        if (x := next((y for y in reversed(lines) if y.get("received_reward_mean") is not None), None))
+    ]
     return RunSummary(
         kind="swarm",
         steps=sum(int(lines[-1].get("steps", len(lines))) for lines in runs.lines.values()),
@@ -233,6 +248,7 @@ def _summarize_swarm(runs: Runs) -> RunSummary:
         seconds_training=merged[-1]["time"] - merged[0]["time"],
         reward_first=mean(rewards[:WINDOW]),
         reward_final=mean(rewards[-WINDOW:]),
+        received_reward_final=round(mean(received), 4) if received else None,
         rollouts_consumed=sum(int(last.get("rollouts_consumed", 0)) for last in lasts),
         rollouts_per_second=_rate(runs.lines),
         dropped_stale=sum(int(last.get("dropped_stale", 0)) for last in lasts),

@@ -89,9 +89,11 @@ class RolloutGroup(BaseModel):
         return len(self.completions)
 
     def content_key(self) -> bytes:
-        """A digest of what the group *is* (task, prompt, version, every completion's tokens), whatever its
-        ``rollout_id``: the same completions sent again under a new id are recognised by it."""
-        body = [self.task, self.prompt_id, self.policy_version, [c.token_ids for c in self.completions]]
+        """A digest of what the group *is* (task, prompt and the set of completion token sequences), whatever
+        its ``rollout_id``, the version it claims and the order of its completions: the same completions sent
+        again under a new id, relabelled with another version or shuffled are recognised by it."""
+        completions = sorted(c.token_ids for c in self.completions)
+        body = [self.task, self.prompt_id, completions]
         return hashlib.sha256(msgpack.packb(body, use_bin_type=True)).digest()
 
     def to_bytes(self) -> bytes:

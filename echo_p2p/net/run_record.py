@@ -48,6 +48,9 @@ WRONG_OWNER = "wrong_owner"
 BAD_SIGNATURE = "bad_signature"
 WRONG_RUN = "wrong_run"
 EXPIRED = "expired"
+OLDER_THAN_KNOWN = "older_than_known"  # a serial below the one the join address names
+#: Largest serial a join address may name (a signed 64-bit integer).
+MAX_SERIAL = 2**63 - 1
 
 
 class RunRecord(BaseModel):
@@ -156,13 +159,17 @@ def verify(
 
 
 def newest_valid(
-    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None
+    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None, min_serial: int = 0
 ) -> tuple[RunRecord | None, dict[str, int]]:
-    """The valid record with the highest serial (then the latest issue time) and the refusals by reason."""
+    """The valid record with the highest serial (then the latest issue time) and the refusals by reason;
+    a record below ``min_serial`` (the serial the join address names) is refused (``older_than_known``):
+    an eclipse serving only an older record cannot roll the trusted trainers back."""
     best: RunRecord | None = None
     refused: dict[str, int] = {}
     for item in signed:
         result = verify(item.record, item.signature, run_id, owner, now)
+        if not isinstance(result, str) and result.serial < min_serial:
+            result = OLDER_THAN_KNOWN
         if isinstance(result, str):
             refused[result] = refused.get(result, 0) + 1
             continue
@@ -189,10 +196,11 @@ def _signer(item: SignedRunRecord) -> tuple[str | None, RunRecord | None]:
 
 
 def explain_missing(
-    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None
+    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None, min_serial: int = 0
 ) -> str:
-    """Why no valid record of ``run_id`` signed by ``owner`` is among ``signed`` (every copy stored under the
-    run's key, read by a node that refuses none), and how to fix it: one line for a person."""
+    """Why no valid record of ``run_id`` signed by ``owner`` (with a serial of at least ``min_serial``, the
+    join address's) is among ``signed`` (every copy stored under the run's key, read by a node that refuses
+    none), and how to fix it: one line for a person."""
     now = time.time() if now is None else now
     items = list(signed)
     if not items:
@@ -207,6 +215,14 @@ def explain_missing(
         return (
             f"the run's record is signed by {', '.join(others)}, not by the owner {owner} of your address: "
             f"check the owner part of --join {run_id}:OWNER@... (the bootstrap prints the run's whole address)"
+        )
+    older = [r for r in reasons if isinstance(r[0], RunRecord) and r[0].serial < min_serial]
+    if older:
+        newest = max(r[0].serial for r in older)
+        return (
+            f"the run record of {run_id!r} found has serial {newest}, older than the serial {min_serial} your "
+            "address names: this bootstrap serves an old record (or hides the newer one); ask the owner for "
+            "the run's current address, or join through another bootstrap"
         )
     expired = [record for reason, _, record in reasons if reason == EXPIRED and record is not None]
     if expired:
@@ -228,15 +244,27 @@ def explain_missing(
 # ---- the join address ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JoinAddress:
-    """``RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...]``: everything a peer needs to join a run and trust it."""
+    """``RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...][#SERIAL]``: everything a peer needs to join a run and trust it.
+
+    ``SERIAL`` (optional; addresses without it still parse) is the serial of the run record in force when the
+    address was made: a peer joining with it refuses any older record (``older_than_known``)."""
 
     run_id: str
     owner: str
     initial_peers: tuple[str, ...]
+    min_serial: int = 0
 
     @classmethod
     def parse(cls, text: str) -> JoinAddress:
-        head, sep, tail = text.strip().partition("@")
+        text, hash_, serial_text = text.strip().partition("#")
+        min_serial = 0
+        if hash_:
+            if not serial_text.isdigit() or len(serial_text) > 19 or int(serial_text) > MAX_SERIAL:
+                raise ValueError(
+                    f"the run record serial after '#' must be an integer, got {serial_text[:24]!r}"
+                )
+            min_serial = int(serial_text)
+        head, sep, tail = text.partition("@")
         run_id, colon, owner = head.partition(":")
         if not sep or not colon:
             raise ValueError(f"a join address is RUN_ID:OWNER_PEER_ID@MADDR[,MADDR...], got {text[:80]!r}")
@@ -248,10 +276,11 @@ class JoinAddress:
             raise ValueError(
                 "a join address needs at least one multiaddr after '@' (e.g. /ip4/.../tcp/.../p2p/...)"
             )
-        return cls(run_id, owner, maddrs)
+        return cls(run_id, owner, maddrs, min_serial)
 
     def __str__(self) -> str:
-        return f"{self.run_id}:{self.owner}@{','.join(self.initial_peers)}"
+        serial = f"#{self.min_serial}" if self.min_serial else ""
+        return f"{self.run_id}:{self.owner}@{','.join(self.initial_peers)}{serial}"
 
 
 # ---- the record file -------------------------------------------------------------------------------------

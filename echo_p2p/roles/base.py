@@ -183,7 +183,7 @@ class BasePeer:
                 peer_id=self.peer_id, record=record_bytes, signature=signature
             )
         if owner is not None:
-            trust = RunTrust(owner=owner, run_id=config.run_id)
+            trust = RunTrust(owner=owner, run_id=config.run_id, min_serial=config.run_record_serial)
             if self._signed_run_record is not None and trust.update([self._signed_run_record]):
                 self._check_run_settings(trust.record)
             return trust
@@ -209,7 +209,11 @@ class BasePeer:
                 self._check_run_settings(self.trust.record)
                 return
             if time.monotonic() >= deadline:
-                raise NodeStartError(explain_missing(found, self.config.run_id, self.trust.owner))
+                raise NodeStartError(
+                    explain_missing(
+                        found, self.config.run_id, self.trust.owner, min_serial=self.trust.min_serial
+                    )
+                )
             self.stop_event.wait(0.5)
 
     def _keep_run_record(self) -> None:

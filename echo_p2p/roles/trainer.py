@@ -534,7 +534,11 @@ class TrainerPeer(BasePeer):
         if self.guard is not None:
             out["senders"] = self.guard.stats()
         if self.ingest is not None:
-            out["rejected"] = dict(self.ingest.stats().get("rejected", {}))
+            ingest = self.ingest.stats()
+            out["rejected"] = dict(ingest.get("rejected", {}))
+            # the reward of what samplers send, useless groups included (reward_mean is that of what is
+            # trained on, biased low once the policy is mostly right: its all-right groups are dropped)
+            out["received_reward_mean"] = ingest.get("received_reward_mean")
         elif self.intake is not None and self.intake.rejected:
             out["rejected"] = dict(self.intake.rejected)
         if self.intake is not None:

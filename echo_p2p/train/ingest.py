@@ -63,11 +63,18 @@ class Reason(str, Enum):
     DUPLICATE_CONTENT = "duplicate_content"  # the completions of a group already accepted, under a new id
     NOT_THE_SAMPLER = "not_the_sampler"  # ``sampler_peer_id`` names another peer than the one pushing it
     SAMPLING_MISMATCH = "sampling_mismatch"  # sampled with settings the run does not allow (or none said)
+    NO_SIGNAL = "no_signal"  # valid, but every completion re-scored the same: nothing to learn (advantage 0)
+    NOT_GRANTED = "not_granted"  # beyond the sender's grant and its allowance (paced trainers; retryable)
     INTERNAL_ERROR = "internal_error"  # the trainer failed while checking it (a bug; logged)
 
 
 #: Reasons after which the same group may succeed at another trainer (or later): the sender resends.
-RETRYABLE_REASONS: frozenset[Reason] = frozenset({Reason.BUFFER_FULL, Reason.INTERNAL_ERROR})
+RETRYABLE_REASONS: frozenset[Reason] = frozenset(
+    {Reason.BUFFER_FULL, Reason.INTERNAL_ERROR, Reason.NOT_GRANTED}
+)
+#: Refusals an honest sampler meets in routine (a policy that is always right, a stale group): counted, not
+#: logged as warnings by the sender, and never a strike.
+ROUTINE_REASONS: frozenset[Reason] = frozenset({Reason.TOO_STALE, Reason.NO_SIGNAL})
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,17 @@ replaces its previous one (one outstanding grant per sender), and a grant not de
 ``grant_seconds`` is void. A sender none of whose groups was accepted yet is granted at most
 ``newcomer_grant`` groups, and all such senders together at most half of ``D``: a stranger who takes grants
 and never delivers holds back a small, expiring part of the room, never all of it.
+
+Deliveries are charged
+----------------------
+The ingest charges every group that passes validation to its sender (``charge``), useless ones included
+(``no_signal``, ``duplicate_content``): first against the sender's grant, then against an allowance for
+groups nobody asked for (a grant that expired while the group was sampled, a group granted by another
+trainer): ``newcomer_grant`` groups per sender per ``grant_seconds``, and all senders together half of
+``D`` per ``grant_seconds``. Beyond both the group is refused (``not_granted``, retryable: an honest pusher
+keeps it and resends it once it holds a grant). So a sender that pushes without asking cannot fill the
+buffer ahead of the senders the trainer asked: it gets at most ``newcomer_grant`` groups per
+``grant_seconds``, and any number of such keys together at most ``D / 2`` per ``grant_seconds``.
 """
 
 from __future__ import annotations
@@ -83,6 +94,12 @@ class _Grant:
     proven: bool
 
 
+@dataclass
+class _Allowance:
+    used: int
+    since: float  # monotonic start of the current ``grant_seconds`` window
+
+
 class Pacer:
     """Grants of a trainer to its senders (see the module doc). ``batch_groups`` is ``B``, the groups one
     update takes; ``max_staleness`` is ``S``."""
@@ -102,6 +119,10 @@ class Pacer:
         self._seen: OrderedDict[str, float] = OrderedDict()  # sender -> monotonic time it last asked
         self.granted = 0  # groups granted in all
         self.queries_waited = 0
+        self.ungranted = 0  # groups charged beyond their sender's grant (within the allowance)
+        self.refused = 0  # groups refused beyond the grant and the allowance (not_granted)
+        self._allowances: OrderedDict[str, _Allowance] = OrderedDict()
+        self._pool = _Allowance(0, -math.inf)  # all senders' ungranted groups together
         self._lock = threading.Lock()
 
     # ---- inputs ------------------------------------------------------------------------------------------
@@ -148,6 +169,35 @@ class Pacer:
             self.granted += groups
             return groups
 
+    def charge(self, sender: str, now: float | None = None) -> bool:
+        """One validated group of ``sender`` arrived: take it off the sender's grant, else off the allowance
+        for groups nobody asked for (see the module doc). False: beyond both, refuse it (``not_granted``)."""
+        now = time.monotonic() if now is None else now
+        cfg = self.config
+        with self._lock:
+            self._expire(now)
+            grant = self._grants.get(sender)
+            if grant is not None and grant.groups > 0:
+                grant.groups -= 1
+                if grant.groups == 0:
+                    del self._grants[sender]
+                return True
+            if now - self._pool.since > cfg.grant_seconds:
+                self._pool = _Allowance(0, now)
+            own = self._allowances.get(sender)
+            if own is None or now - own.since > cfg.grant_seconds:
+                own = self._allowances[sender] = _Allowance(0, now)
+            self._allowances.move_to_end(sender)
+            while len(self._allowances) > cfg.max_senders:
+                self._allowances.popitem(last=False)
+            if own.used >= cfg.newcomer_grant or self._pool.used >= max(1, self._target() // 2):
+                self.refused += 1
+                return False
+            own.used += 1
+            self._pool.used += 1
+            self.ungranted += 1
+            return True
+
     def outstanding(self, now: float | None = None) -> int:
         """Groups granted and not yet due (delivered groups replace a grant when their sender asks again)."""
         with self._lock:
@@ -162,6 +212,8 @@ class Pacer:
                 "granted": self.granted,
                 "outstanding": sum(g.groups for g in self._grants.values()),
                 "senders": len(self._seen),
+                "ungranted": self.ungranted,
+                "not_granted": self.refused,
             }
 
     # ---- internals (caller holds the lock) ---------------------------------------------------------------

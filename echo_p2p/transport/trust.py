@@ -102,13 +102,18 @@ class RunTrust:
     trainers of runs that declare no trainers (``configured`` False; the trainer logs it)."""
 
     def __init__(
-        self, fixed: TrustedTrainers | None = None, owner: str | None = None, run_id: str | None = None
+        self,
+        fixed: TrustedTrainers | None = None,
+        owner: str | None = None,
+        run_id: str | None = None,
+        min_serial: int = 0,
     ) -> None:
         if owner is not None and run_id is None:
             raise ValueError("a run owner needs the run id its record declares")
         self.fixed = fixed
         self.owner = owner
         self.run_id = run_id
+        self.min_serial = min_serial  # records below it are refused (the join address's serial)
         self.record = None  # the RunRecord in force (owner mode)
         self.refused: Counter[str] = Counter()  # run records refused, by reason
 
@@ -143,7 +148,7 @@ class RunTrust:
             return False
         from echo_p2p.net.run_record import newest_valid
 
-        best, refused = newest_valid(signed, self.run_id, self.owner, now)
+        best, refused = newest_valid(signed, self.run_id, self.owner, now, self.min_serial)
         self.refused.update(refused)
         current = self.record
         if best is None or (

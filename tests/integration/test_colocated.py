@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(150)
 
-STEPS = 80
+STEPS = 150  # lr 1e-3: 0.07-0.09 at step 50, 0.64-0.89 at step 100 (seeds 0-2)
 WINDOW = 20
 
 
@@ -42,7 +42,8 @@ def test_colocated_cli_reward_rises_on_count(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    records = read_metrics(str(tmp_path / "colocated-baseline.jsonl"))
+    lines = read_metrics(str(tmp_path / "colocated-baseline.jsonl"))
+    records = [r for r in lines if "step" in r]  # held-out evaluations write lines of their own
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
     first = sum(r["reward_mean"] for r in records[:WINDOW]) / WINDOW
@@ -128,7 +129,6 @@ def test_kl_penalty_trains_against_a_frozen_copy_of_the_starting_policy(tmp_path
     assert records[-1]["kl"] > 1e-5
     reference = trainer.learner.ref_model
     assert all(torch.equal(p, start[n]) for n, p in reference.named_parameters())
-    assert [r["kl"] for r in read_metrics(str(tmp_path / "colocated-baseline.jsonl"))] == [
-        r["kl"] for r in records
-    ]
+    steps = [r for r in read_metrics(str(tmp_path / "colocated-baseline.jsonl")) if "step" in r]
+    assert [r["kl"] for r in steps] == [r["kl"] for r in records]
     assert "kl" not in ColocatedTrainer(config_from_args(parse_args(["--steps", "1"]))).run()[0]

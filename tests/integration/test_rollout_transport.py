@@ -3,11 +3,13 @@ back-pressure; trainer-side validation with reasons per sender; the sync sample 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
 
 import pytest
+from hivemind.p2p import P2P
 
 from echo_p2p.config import NetworkConfig
 from echo_p2p.ml.tokenizer import build_char_tokenizer, encode_prompts
@@ -98,7 +100,7 @@ def run(request):
 
 
 def honest_group(prompt_id: int = 7, version: int = VERSION, texts=None, sampler: str = "") -> RolloutGroup:
-    texts = texts or [TASK.target(prompt_id)] * G
+    texts = texts or [TASK.target(prompt_id)] * (G - 1) + [TASK.target(prompt_id) * 2]  # rewards vary
     prompt = encode_prompts(TOK, [TASK.prompt(prompt_id)], use_chat_template=False)[0]
     completions = []
     for text in texts:
@@ -320,7 +322,7 @@ def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_send
     replay = original.model_copy(deep=True)
     replay.rollout_id = uuid.uuid4().hex  # the same completions under a new id
     impersonating = honest_group(4, sampler=i1.peer_id)  # claims the honest peer sampled it
-    flood = [honest_group(p) for p in (5, 6, 8)]
+    flood = [honest_group(p) for p in (5, 8, 11)]  # 6 is held out
     ack = i2.loop.run(push(i2, [original, replay, impersonating, *flood]), timeout=15)
     verdicts = [a.reason or "accepted" for a in ack.acks]
     # the stranger alone fills the buffer (there is room: nobody is crowded out)
@@ -339,7 +341,7 @@ def test_a_strangers_push_is_refused_before_it_costs_the_trainer_and_honest_send
     assert buffer.held_by(i2.peer_id) == 2  # its two oldest groups went
     assert {
         g.prompt_id for g in (e.scored.group for e in buffer._heap) if g.sampler_peer_id == i2.peer_id
-    } == {6, 8}
+    } == {8, 11}
     assert buffer.held_by(i1.peer_id) == 2 and len(buffer) == 4
 
 
@@ -536,8 +538,9 @@ def test_a_slot_hog_asking_for_an_unpublished_version_does_not_stall_a_trainer(n
         namespace=rollout_namespace(keys),
     )
     wait_until(lambda: t1.directory(keys).peers(), 15, what="the inference peer's record")
-    groups = client.collect("count", [0, 1, 2, 3, 4, 5], G, VERSION, timeout=15)
-    assert sorted(g.prompt_id for g in groups) == [0, 1, 2, 3, 4, 5]
+    wanted = [1, 2, 3, 4, 5, 7]  # training ids (0 and 6 are held out of count's training)
+    groups = client.collect("count", wanted, G, VERSION, timeout=15)
+    assert sorted(g.prompt_id for g in groups) == wanted
     assert client.stats()["requests"] == 3 and client.stats()["refused"] == {}  # one at a time: none busy
     assert not hog.done()
     announced.add(10**9)  # a record says so now, but no trusted manifest exists: refused, never sampled
@@ -598,7 +601,11 @@ def test_a_paced_sampler_stops_when_the_trainer_wants_nothing_and_resumes_when_i
             count = pusher.reserve(batch, timeout=0.5, stop_event=stop)
             for _ in range(count):
                 n = len(made)  # distinct completions: no group repeats another's content
-                made.append(honest_group(n % 30, texts=[TASK.target(n % 30), "b" * (n // 30 + 1)]))
+                ids = [i for i in range(TASK.num_prompts) if not TASK.is_held_out(i)]
+                p = ids[n % len(ids)]
+                made.append(
+                    honest_group(p, texts=[TASK.target(p), "z" * (n // len(ids) + 1)])
+                )  # rewards 1, 0
                 pusher.submit([made[-1]], timeout=5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -626,3 +633,64 @@ def test_a_paced_sampler_stops_when_the_trainer_wants_nothing_and_resumes_when_i
     assert sorted(taken) == sorted(g.rollout_id for g in made)  # none lost, none used twice
     assert pusher.stats()["acked"] == len(made) and pusher.stats()["rejected"] == {}
     assert servicer.stats()["queries"] >= 1
+
+
+def test_a_flood_of_held_push_streams_is_bounded_and_the_trainer_keeps_serving_others(nodes, run):
+    """Found by an attacker: 1,200 push streams opened at a trainer and never written to ran it out of file
+    descriptors (EMFILE inside the optimizer's step). Now one sender holds at most ``max_streams_per_sender``
+    streams and strangers together half of ``max_streams``; the rest are answered ``too_many_streams`` and
+    closed unread, and an honest sender's push goes through while the flood is held."""
+    keys, serve = run
+    t1, t2, i1, i2 = nodes
+    config = IngestServerConfig(max_streams_per_sender=4, max_streams=12)
+    servicer, buffer = trainer_servicer(capacity=8, config=config)
+    serve(t1, servicer)
+    name = servicer._get_handle_name(rollout_namespace(keys), "rpc_push_rollouts")
+    held = []
+
+    async def hold(node, count: int) -> list[str]:
+        """Open ``count`` push streams and write nothing; the answers of those refused at once."""
+        opened = [
+            await node.loop.p2p.call_binary_stream_handler(peer_id_of(t1.peer_id), name) for _ in range(count)
+        ]
+        held.extend(writer for _, _, writer in opened)
+        errors = []
+        for _, reader, _ in opened:
+            try:
+                async with asyncio.timeout(0.5):
+                    ack, _ = await P2P.receive_protobuf(rollouts_pb2.PushAck, reader)
+                errors.append(ack.error)
+            except (TimeoutError, asyncio.IncompleteReadError):
+                pass  # held by the trainer: no answer until it times out
+        return errors
+
+    def push(prompt_id: int) -> rollouts_pb2.PushAck:
+        group = honest_group(prompt_id)
+        payloads = [rollouts_pb2.RolloutPayload(rollout_id=group.rollout_id, group=group.to_bytes())]
+        return i1.loop.run(
+            push_payloads(i1.loop.p2p, peer_id_of(t1.peer_id), rollout_namespace(keys), payloads), timeout=15
+        )
+
+    assert [a.status for a in push(3).acks] == [rollouts_pb2.GroupAck.ACCEPTED]  # i1 is a proven sender
+    try:
+        errors = i2.loop.run(hold(i2, 20), timeout=30)
+        assert len(errors) == 16 and all(e.startswith("too_many_streams") for e in errors), errors
+        assert servicer.open_streams() == 4
+        errors = t2.loop.run(hold(t2, 6), timeout=30)  # a second stranger: strangers share half of 12
+        assert len(errors) == 4, errors
+        assert servicer.open_streams() == 6
+        assert servicer.sender_stats(i2.peer_id).rejected["too_many_streams"] == 16
+        # a proven sender is served while the flood is held (strangers fill only their half)
+        ack = push(5)
+        assert [a.status for a in ack.acks] == [rollouts_pb2.GroupAck.ACCEPTED], ack
+        assert len(buffer) == 2
+    finally:
+
+        async def close(writers) -> None:
+            for writer in writers:
+                writer.close()
+
+        for node, count in ((i2, 20), (t2, 6)):
+            node.loop.run(close(held[:count]), timeout=5)
+            del held[:count]
+    wait_until(lambda: servicer.open_streams() == 0, 10, what="the held streams to close")

@@ -23,10 +23,13 @@ from echo_p2p.report import (
 )
 
 
-def write_trainer(metrics_dir, peer, steps, *, t0=1000.0, reward=lambda i: i / 100, rejected=None):
+def write_trainer(
+    metrics_dir, peer, steps, *, t0=1000.0, reward=lambda i: i / 100, rejected=None, received=None
+):
     writer = MetricsWriter(str(metrics_dir), "trainer", peer)
     lines = []
     for i in range(steps):
+        extra = {} if received is None else {"received_reward_mean": received(i)}
         line = writer.write(
             i + 1,
             step=i + 1,
@@ -36,6 +39,7 @@ def write_trainer(metrics_dir, peer, steps, *, t0=1000.0, reward=lambda i: i / 1
             dropped_stale=3 * i,
             idle_fraction=0.25,
             rejected=rejected or {},
+            **extra,
         )
         line["time"] = t0 + i  # one step a second, written back so the test controls time
         lines.append(line)
@@ -189,3 +193,17 @@ def test_the_held_out_evaluations_reach_the_summary_and_the_plot(tmp_path):
 
     assert "held-out accuracy 0.000 (version 0) -> 0.750 (version 20)" in "\n".join(RunSummary(**s).lines())
     assert (tmp_path / "reward.png").stat().st_size > 5000
+
+
+def test_the_reward_of_every_group_received_is_reported_beside_the_trained_groups_one(tmp_path):
+    """Once most groups are right, the groups trained on are the ones with mistakes (all-equal groups are
+    refused as no_signal or duplicate content): the summary also gives the trainers' received-groups reward."""
+    write_trainer(tmp_path, "a", 30, reward=lambda i: 0.7, received=lambda i: 0.5 + i / 100)
+    write_trainer(tmp_path, "b", 30, t0=1000.5, reward=lambda i: 0.7, received=lambda i: 0.9)
+    s = summarize(Runs.load(tmp_path))
+    assert s.received_reward_final == pytest.approx((0.79 + 0.9) / 2)
+    assert "reward of every group received at the end 0.845" in "\n".join(s.lines())
+    write_trainer(tmp_path, "a", 30)  # older trainers' lines carry no such figure: no line
+    write_trainer(tmp_path, "b", 30)
+    s = summarize(Runs.load(tmp_path))
+    assert s.received_reward_final is None and "every group received" not in "\n".join(s.lines())

@@ -162,6 +162,9 @@ def test_a_missing_record_is_explained_with_what_was_found_and_the_fix(people):
     assert "bad_signature" in rr.explain_missing([altered], "r1", owner)
     garbage = SignedRunRecord(peer_id=signed.peer_id, record=b"\xc1", signature=b"x")
     assert "malformed" in rr.explain_missing([garbage], "r1", owner)
+    # a valid record older than the serial the join address names (a stale or eclipsing bootstrap)
+    text = rr.explain_missing([make(people, serial=3)], "r1", owner, min_serial=5)
+    assert "found has serial 3, older than the serial 5 your address names" in text
     # a stranger's copy next to the owner's expired one: the stranger is named first (the address is wrong)
     assert "signed by" in rr.explain_missing([expired, make(people, owner="stranger")], "r1", owner)
 
@@ -178,3 +181,34 @@ def test_an_expired_record_file_is_refused_with_its_date_and_the_fix(people, tmp
     rr.write_file(tmp_path / "unsigned.record", record.to_bytes(), b"")
     with pytest.raises(ValueError, match="refused: bad_signature .*not signed by its owner key"):
         rr.read_file(tmp_path / "unsigned.record")
+
+
+def test_a_run_record_older_than_the_join_addresss_is_refused(people):
+    """Run-record rollback, found by an attacker: a stranger's DHT node serving only the owner's older record
+    (naming a trainer since removed) made a fresh reader trust that trainer again. A join address now names
+    the serial in force when it was made, and a peer joining with it refuses any older record."""
+    owner = people["owner"].peer_id
+    maddr = "/ip4/127.0.0.1/tcp/31337/p2p/QmBoot"
+    join = rr.JoinAddress.parse(f"r1:{owner}@{maddr}#3")
+    assert join.min_serial == 3 and str(join) == f"r1:{owner}@{maddr}#3"
+    assert rr.JoinAddress.parse(f"r1:{owner}@{maddr}").min_serial == 0  # old addresses still parse
+    for bad in ("#", "#-1", "#x", "#1.5", f"#{2**63}", "#" + "9" * 40):
+        with pytest.raises(ValueError):
+            rr.JoinAddress.parse(f"r1:{owner}@{maddr}{bad}")
+    trust = RunTrust(owner=owner, run_id="r1", min_serial=join.min_serial)
+    old = make(people, serial=2, trainers=("stranger",))  # the eclipse serves only the older record
+    assert not trust.update([old]) and trust.record is None
+    assert not trust.is_trusted(people["stranger"].peer_id)
+    assert trust.refused == {rr.OLDER_THAN_KNOWN: 1}
+    assert trust.update([old, make(people, serial=3, trainers=("t1",))])  # the one it names is taken
+    assert trust.is_trusted(people["t1"].peer_id) and not trust.is_trusted(people["stranger"].peer_id)
+
+
+def test_a_join_addresss_serial_reaches_the_peers_trust(people):
+    from echo_p2p.peer import parse_config
+
+    owner = people["owner"].peer_id
+    config = parse_config(
+        ["--role", "inference", "--join", f"r1:{owner}@/ip4/127.0.0.1/tcp/1/p2p/QmBoot#5"], {}
+    )
+    assert config.run_record_serial == 5 and config.run_owner == owner

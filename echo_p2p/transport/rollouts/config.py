@@ -72,6 +72,32 @@ class IngestServerConfig(BaseModel):
     active_sender_window: float = Field(
         default=60.0, gt=0, description="Seconds after its last accepted group that a sender counts as active"
     )
+    drop_no_signal: bool = Field(
+        default=True,
+        description="Refuse valid groups whose re-scored rewards are all equal (no_signal: a group-normalised "
+        "advantage of 0 teaches nothing; DAPO's dynamic sampling) before they take buffer and batch slots; "
+        "they still count in received_reward_mean and against the sender's grant, never as a strike",
+    )
+    received_reward_window: int = Field(
+        default=256,
+        ge=1,
+        le=1_000_000,
+        description="Groups received (validated, no_signal and duplicate_content included) over which "
+        "received_reward_mean is taken",
+    )
+    max_streams_per_sender: int = Field(
+        default=8,
+        ge=1,
+        le=4096,
+        description="Push streams one sender may hold open at once; more are closed unread (too_many_streams)",
+    )
+    max_streams: int = Field(
+        default=256,
+        ge=2,
+        le=65536,
+        description="Push streams open at once from all senders (each holds a file descriptor); senders none "
+        "of whose groups was accepted yet share half of them, so strangers cannot crowd out proven senders",
+    )
 
 
 class PusherConfig(BaseModel):

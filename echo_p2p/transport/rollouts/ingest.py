@@ -15,7 +15,18 @@ the ack the stream stays open until the sender closes it (``_linger``: a stream 
 receiver can be reset, and the reset can overtake the ack). Never raises.
 Pacing (``train.pacing.Pacer``, optional): every ack carries the sender's grant, ``PushAck.wanted``, the groups
 this trainer asks it to sample now; a push of no payload is a room query, held up to ``query_wait`` until
-there is a grant (one held query per sender, each charged ``QUERY_COST`` of the sender's CPU quota).
+there is a grant (one held query per sender, each charged ``QUERY_COST`` of the sender's CPU quota), and
+every validated group is charged to its sender's grant (``Pacer.charge``; beyond the grant and a small
+allowance: ``not_granted``, retryable).
+Useless help: a valid group whose re-scored rewards are all equal is refused (``no_signal``, DAPO's dynamic
+sampling: its advantage is 0) and a group whose completions were accepted already, in any order and under any
+version, is refused unvalidated (``duplicate_content``); neither takes a buffer slot, and neither is a strike
+(an honest sampler whose policy is always right sends such groups). Their rewards still count in
+``received_reward_mean``, the mean reward of the last ``received_reward_window`` groups received (a duplicate
+with the mean remembered for its content), which a trainer logs beside the reward of what it trains on.
+Streams: a sender holds at most ``max_streams_per_sender`` push streams at once and all senders together
+``max_streams`` (senders never accepted yet half of them); a stream beyond is answered ``too_many_streams``
+and closed unread, so held or dripping streams cost a bounded number of file descriptors.
 The sending side is ``rollouts.push.RolloutPusher``. Caller: the trainer peer. Must not import torch; blocking
 work never runs in the loop.
 """
@@ -26,7 +37,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -61,10 +72,16 @@ LINGER_BYTES = 16 * 1024 * 1024
 LINGER_FLOOR = 64 * 1024
 #: Refusals of senders that break the protocol: their streams linger for ``LINGER_FLOOR`` bytes at most.
 VIOLATIONS = (FRAME_TOO_LARGE, BAD_FRAME, BANNED)
+#: A push stream beyond the sender's or the trainer's stream limit (closed unread).
+TOO_MANY_STREAMS = "too_many_streams"
+#: Seconds an answer to a stream refused for the stream limits may take to write.
+REFUSAL_WRITE_TIMEOUT = 1.0
 #: CPU seconds a room query is charged to its sender's quota (the p2pd stream and the wake-ups it costs).
 QUERY_COST = 0.002
 #: Seconds between two looks at the buffer while a room query is held.
 QUERY_POLL = 0.05
+#: A group whose re-scored rewards spread over no more than this carries no signal (``no_signal``).
+NO_SIGNAL_SPREAD = 1e-9
 
 
 @dataclass
@@ -116,7 +133,11 @@ class RolloutIngestServicer(ServicerBase):
         self.pushes = 0
         self.queries = 0  # room queries (pushes of no payload)
         self._accepted_ids: OrderedDict[str, None] = OrderedDict()
-        self._accepted_content: OrderedDict[bytes, None] = OrderedDict()
+        # content key -> mean re-scored reward of the group that had it
+        self._accepted_content: OrderedDict[bytes, float] = OrderedDict()
+        self._received: deque[float] = deque(maxlen=self.config.received_reward_window)
+        self._streams: Counter[str] = Counter()  # open push streams per sender
+        self._stranger_streams = 0  # open push streams of senders none of whose groups was accepted
         self._active: OrderedDict[str, float] = (
             OrderedDict()
         )  # sender -> monotonic time of its last accepted group
@@ -148,14 +169,68 @@ class RolloutIngestServicer(ServicerBase):
         except Exception:
             sender = "?"
         with closing(writer):
-            messages, refusal = await self._read_push(sender, reader)
-            ack = await self._answer(sender, messages, refusal)
-            try:
-                await P2P.send_protobuf(ack, writer)
-            except Exception as exc:  # the sender may be gone: it resends, and a resend is acked DUPLICATE
-                logger.info("push from %s: the ack was not delivered (%r)", sender, exc)
+            stranger = self._open_stream(sender)
+            if stranger is None:
+                await self._refuse_stream(sender, writer)
                 return
-            await self._linger(sender, reader, refusal)
+            try:
+                await self._serve_push(sender, reader, writer)
+            finally:
+                self._close_stream(sender, stranger)
+
+    def _open_stream(self, sender: str) -> bool | None:
+        """Count a new push stream of ``sender``; None when it is beyond the limits (see the module doc), else
+        whether it counts among the strangers' half."""
+        cfg = self.config
+        with self._lock:
+            stats = self.senders.get(sender)
+            stranger = stats is None or stats.accepted == 0
+            total = sum(self._streams.values())
+            if (
+                self._streams[sender] >= cfg.max_streams_per_sender
+                or total >= cfg.max_streams
+                or (stranger and self._stranger_streams >= cfg.max_streams // 2)
+            ):
+                return None
+            self._streams[sender] += 1
+            self._stranger_streams += stranger
+            return stranger
+
+    def _close_stream(self, sender: str, stranger: bool) -> None:
+        with self._lock:
+            self._streams[sender] -= 1
+            if self._streams[sender] <= 0:
+                del self._streams[sender]
+            self._stranger_streams -= stranger
+
+    def open_streams(self) -> int:
+        """Push streams open now."""
+        with self._lock:
+            return sum(self._streams.values())
+
+    async def _refuse_stream(self, sender: str, writer) -> None:
+        self._count_refusal(sender, TOO_MANY_STREAMS)
+        ack = rollouts_pb2.PushAck(
+            error=f"{TOO_MANY_STREAMS}: at most {self.config.max_streams_per_sender} push streams per sender",
+            free_room=self._free_room(),
+            policy_version=self._version(),
+            wanted=-1 if self.pacer is None else 0,
+        )
+        try:
+            async with asyncio.timeout(REFUSAL_WRITE_TIMEOUT):
+                await P2P.send_protobuf(ack, writer)
+        except Exception:  # a sender that does not read its answers gets none
+            pass
+
+    async def _serve_push(self, sender: str, reader: asyncio.StreamReader, writer) -> None:
+        messages, refusal = await self._read_push(sender, reader)
+        ack = await self._answer(sender, messages, refusal)
+        try:
+            await P2P.send_protobuf(ack, writer)
+        except Exception as exc:  # the sender may be gone: it resends, and a resend is acked DUPLICATE
+            logger.info("push from %s: the ack was not delivered (%r)", sender, exc)
+            return
+        await self._linger(sender, reader, refusal)
 
     async def _linger(self, sender: str, reader: asyncio.StreamReader, refusal: str | None = None) -> None:
         """Keep the stream after the ack until the sender closes it, discarding what still arrives (the rest
@@ -313,11 +388,20 @@ class RolloutIngestServicer(ServicerBase):
             stats = self.senders.get(peer_id, SenderStats())
             return SenderStats(stats.accepted, stats.duplicates, Counter(stats.rejected), stats.last_seen)
 
+    def received_reward_mean(self) -> float | None:
+        """Mean re-scored reward of the last ``received_reward_window`` groups received (see the module doc);
+        None before the first."""
+        with self._lock:
+            return sum(self._received) / len(self._received) if self._received else None
+
     def stats(self) -> dict[str, Any]:
+        mean = self.received_reward_mean()
         with self._lock:
             return {
                 "pushes": self.pushes,
                 "queries": self.queries,
+                "received_reward_mean": None if mean is None else round(mean, 4),
+                "open_streams": sum(self._streams.values()),
                 **self.totals.as_dict(),
                 "senders": {pid: s.as_dict() for pid, s in self.senders.items()},
             }
@@ -371,12 +455,18 @@ class RolloutIngestServicer(ServicerBase):
         with self._lock:
             if group.rollout_id in self._accepted_ids:
                 return Status.DUPLICATE, Reason.DUPLICATE.value, "already accepted"
-            if content in self._accepted_content:
-                return (
-                    Status.REJECTED,
-                    Reason.DUPLICATE_CONTENT.value,
-                    "these completions were accepted already",
-                )
+            remembered = self._accepted_content.get(content)
+            if remembered is not None:
+                self._accepted_content.move_to_end(content)
+                self._received.append(remembered)
+        if remembered is not None:
+            if self.pacer is not None:
+                self.pacer.charge(sender)  # useless help uses up the sender's grant like useful help
+            return (
+                Status.REJECTED,
+                Reason.DUPLICATE_CONTENT.value,
+                "these completions were received already",
+            )
         share = self._sender_share(sender)
         if (
             config.refuse_when_full
@@ -393,6 +483,14 @@ class RolloutIngestServicer(ServicerBase):
             return Status.REJECTED, result.reason.value, result.detail
         if not isinstance(result, ScoredGroup):
             return Status.REJECTED, Reason.INTERNAL_ERROR.value, "validator returned no verdict"
+        if self.pacer is not None and not self.pacer.charge(sender):
+            return Status.REJECTED, Reason.NOT_GRANTED.value, "beyond this sender's grant: ask for room first"
+        reward = sum(result.rewards) / len(result.rewards)
+        with self._lock:
+            self._received.append(reward)
+        if config.drop_no_signal and max(result.rewards) - min(result.rewards) <= NO_SIGNAL_SPREAD:
+            self._remember(group.rollout_id, content, sender, reward, active=False)
+            return Status.REJECTED, Reason.NO_SIGNAL.value, "every completion has the same reward"
         added = self.buffer.add(
             result,
             self._version() if self.current_version is not None else None,
@@ -401,7 +499,7 @@ class RolloutIngestServicer(ServicerBase):
         if added is AddResult.ADDED and self.pacer is not None and self.current_version is not None:
             self.pacer.observe(self._version() - group.policy_version)
         if added is AddResult.ADDED or added is AddResult.DUPLICATE:
-            self._remember(group.rollout_id, content, sender)
+            self._remember(group.rollout_id, content, sender, reward)
             if added is AddResult.DUPLICATE:
                 return Status.DUPLICATE, Reason.DUPLICATE.value, "already in the buffer"
             return Status.ACCEPTED, "", ""
@@ -409,13 +507,20 @@ class RolloutIngestServicer(ServicerBase):
             return Status.REJECTED, Reason.TOO_STALE.value, "too stale for the buffer"
         return Status.REJECTED, Reason.BUFFER_FULL.value, "evicted at once: older than every buffered group"
 
-    def _remember(self, rollout_id: str, content: bytes, sender: str) -> None:
+    def _remember(
+        self, rollout_id: str, content: bytes, sender: str, reward: float, active: bool = True
+    ) -> None:
+        """A group received: its id (an accepted one; a resend is DUPLICATE) and its content with its mean
+        reward; ``active``: it entered the buffer, so its sender counts in the buffer's shares."""
         with self._lock:
-            self._accepted_ids[rollout_id] = None
-            self._accepted_content[content] = None
+            if active:
+                self._accepted_ids[rollout_id] = None
+            self._accepted_content[content] = reward
             for seen in (self._accepted_ids, self._accepted_content):
                 while len(seen) > self.config.accepted_ids_window:
                     seen.popitem(last=False)
+            if not active:
+                return
             self._active[sender] = time.monotonic()
             self._active.move_to_end(sender)
             while len(self._active) > self.config.max_tracked_senders:

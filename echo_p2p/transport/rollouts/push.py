@@ -32,7 +32,7 @@ from hivemind.p2p import P2P, PeerID
 from echo_p2p.logs import RateLimitedLog
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
-from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, Reason
+from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, ROUTINE_REASONS, Reason
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
 from echo_p2p.transport.rollouts.config import PusherConfig
 from echo_p2p.transport.rollouts.ingest import DELIVERED, RolloutIngestServicer, Status
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 #: Seconds between two lines about rollouts refused for the same reason by the same trainer (with a count):
 #: a policy at its plateau repeats itself, and each repeat is refused as duplicate_content.
 REFUSAL_LOG_PERIOD = 10.0
+ROUTINE = frozenset(r.value for r in ROUTINE_REASONS)
 
 
 # ---- inference side ---------------------------------------------------------------------------------------
@@ -407,7 +408,8 @@ class RolloutPusher:
                 self.counters["acked"] += 1
                 if verdict.status == Status.DUPLICATE:
                     self.counters["duplicates"] += 1
-            elif verdict.reason == Reason.BUFFER_FULL.value:  # kept until some trainer has room, however long
+            elif verdict.reason in (Reason.BUFFER_FULL.value, Reason.NOT_GRANTED.value):
+                # kept until some trainer has room (or grants it), however long
                 requeue.append(item)
                 trainer.room, trainer.stamp = 0, time.time()
                 # a trainer drains its buffer in well under its heartbeat: probe it again soon with one
@@ -434,7 +436,7 @@ class RolloutPusher:
                 # staleness is routine in async mode (counted, in the metrics); anything else is worth a
                 # line, one per trainer and reason every REFUSAL_LOG_PERIOD s with how many it stands for
                 self._refusals_log.log(
-                    logging.DEBUG if reason == "too_stale" else logging.WARNING,
+                    logging.DEBUG if reason in ROUTINE else logging.WARNING,
                     (trainer.peer_id, reason),
                     "trainer %s rejected rollout %s: %s %s",
                     trainer.peer_id,
