@@ -101,7 +101,9 @@ def worker_main(role: str, host: str, initial: list[str], args: argparse.Namespa
     keys = SwarmKeys("bench-weights")
     identity = load_or_create_identity(None)
     dht = start_dht(
-        NetworkConfig(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=initial, startup_timeout=120),
+        NetworkConfig(
+            host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=initial, startup_timeout=120, knock_timeout=120
+        ),
         identity,
         [keys],
     )

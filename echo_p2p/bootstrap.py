@@ -79,12 +79,17 @@ class BootstrapPeer:
             logger.warning("no --identity-path: this bootstrap's peer id will change when it restarts")
         logger.info("bootstrap %s ready in %.2f s", self.identity.peer_id, time.monotonic() - t0)
         print("Peers join this swarm with:\n  --initial-peers " + " ".join(self.maddrs), flush=True)
-        if self._run_record is not None:
-            from echo_p2p.net.run_record import JoinAddress
+        from echo_p2p.net.run_record import JoinAddress
 
+        if self._run_record is not None:
             record = self._run_record[2]
             join = JoinAddress(record.run_id, record.owner_peer_id(), tuple(self.maddrs), record.serial)
             print(f"and the run {record.run_id} with:\n  --join {join}", flush=True)
+        else:  # no record kept here: the address of any run whose trainers keep theirs, owner left to fill
+            join = JoinAddress("RUN_ID", "OWNER_PEER_ID", tuple(self.maddrs))
+            print(
+                f"and a run with (its owner's peer id: python -m echo_p2p.owner show RECORD):\n  --join {join}"
+            )
         if self.monitor_config is not None:
             self._start_monitor(self._run_record[0].run_id if self._run_record is not None else run_ids[0])
 

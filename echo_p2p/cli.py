@@ -67,6 +67,14 @@ def add_network_flags(parser: argparse.ArgumentParser, *, host_default_help: str
         default=None,
         help="deadline to start and join (default 30)",
     )
+    group.add_argument(
+        "--knock-timeout",
+        type=float,
+        metavar="S",
+        default=None,
+        help="how long to keep dialing initial peers that do not answer, e.g. a bootstrap still starting "
+        "(default 5)",
+    )
 
 
 def network_flags(args: argparse.Namespace) -> dict[str, object]:
@@ -78,6 +86,7 @@ def network_flags(args: argparse.Namespace) -> dict[str, object]:
         "network.reachability": args.reachability,
         "network.relays": args.relays,
         "network.startup_timeout": args.startup_timeout,
+        "network.knock_timeout": args.knock_timeout,
     }
 
 
@@ -204,8 +213,9 @@ def run_peer(peer, what: str) -> None:
         signals.reassert()  # hivemind.Optimizer's averagers set SIGINT to ignored in this process
         peer.run()
     except NodeStartError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)  # said before the clean stop, which takes seconds
         peer.shutdown()
-        fail(str(exc), EXIT_START)
+        sys.exit(EXIT_START)
     finally:
         peer.shutdown()
     sys.exit(getattr(peer, "exit_code", 0))

@@ -132,6 +132,8 @@ class LocalSwarm:
         common = [
             "--host-maddrs",
             LOOPBACK,
+            "--knock-timeout",  # they start with the bootstrap: knock until it listens
+            str(timeout),
             "--mode",
             self.config.mode,
             "--metrics-dir",

@@ -1,9 +1,11 @@
-"""The keys and addresses a local run (``python -m echo_p2p.local``) makes before it starts any process.
+"""The keys and addresses a run's owner makes before any process starts (``python -m echo_p2p.owner init``
+and the local runner, ``python -m echo_p2p.local``).
 
 Owned here: the trainers' identities and trusted-trainers file, the run owner's identity and the signed run
 record, and the bootstrap's identity and listening address, all under the run's ``workdir``. Knowing the
-bootstrap's address before it runs lets the runner start every process at once: peers import and load
-their models while the bootstrap starts, and knock (``net.node.JOIN_RETRY``) until it listens.
+bootstrap's address before it runs gives the join address up front, and lets the local runner start every
+process at once: peers import and load their models while the bootstrap starts, and knock
+(``net.node.JOIN_RETRY``) until it listens.
 """
 
 from __future__ import annotations
@@ -33,10 +35,18 @@ def make_trainer_identities(workdir: Path, trainers: int) -> Path:
 
 
 def make_run_record(
-    workdir: Path, run_id: str, trainers: int, model: str, task: str, mode: str
+    workdir: Path,
+    run_id: str,
+    trainers: int,
+    model: str,
+    task: str,
+    mode: str,
+    note: str = "a local run (python -m echo_p2p.local)",
+    valid_days: float = 30.0,
 ) -> tuple[Path, str]:
-    """Sign the run record (its trainers, model, task, mode) with a run-owner identity of this local run,
-    as ``python -m echo_p2p.owner sign`` does; returns the record file and the owner's peer id."""
+    """Sign the run record (its trainers, model, task, mode) with the run-owner identity under ``workdir``
+    (created when missing, kept otherwise), as ``python -m echo_p2p.owner sign`` does; returns the record
+    file and the owner's peer id."""
     from echo_p2p.net import run_record
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.transport.trust import TrustedTrainers
@@ -50,25 +60,27 @@ def make_run_record(
         trainers=sorted(trusted.peer_ids),
         serial=int(now),
         issued_at=now,
-        expires_at=now + 30 * 86400,
+        expires_at=now + valid_days * 86400,
         model=model,
         task=task,
         mode=mode,
-        note="a local run (python -m echo_p2p.local)",
+        note=note,
     )
     path = workdir / "run-record.bin"
     run_record.write_file(path, *run_record.sign(record, owner))
     return path, owner.peer_id
 
 
-def bootstrap_address(workdir: Path, host: str = "127.0.0.1") -> tuple[Path, str, str]:
+def bootstrap_address(
+    workdir: Path, host: str = "127.0.0.1", port: int | None = None
+) -> tuple[Path, str, str]:
     """The bootstrap's identity file, the multiaddr it listens on and the one peers dial (with its
-    ``/p2p/`` part), chosen before it starts: a free port below the ephemeral range."""
+    ``/p2p/`` part), chosen before it starts: ``port``, or a free port below the ephemeral range."""
     from echo_p2p.net.identity import load_or_create_identity
 
     path = workdir / "identities" / "bootstrap.id"
     identity = load_or_create_identity(str(path))
-    port = free_port_below_ephemeral(host)
+    port = free_port_below_ephemeral(host) if port is None else port
     listen = f"/ip4/{host}/tcp/{port}"
     return path, listen, f"{listen}/p2p/{identity.peer_id}"
 

@@ -98,6 +98,13 @@ class NetworkConfig(BaseModel):
         "initial peers; []: none",
     )
     startup_timeout: float = Field(default=30.0, gt=0, le=600, description="Deadline (s) to start and join")
+    knock_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="Seconds to keep dialing initial peers that do not answer (a bootstrap that is starting) "
+        "before giving up with the reason; within startup_timeout",
+    )
     request_timeout: float = Field(
         default=10.0, gt=0, le=300, description="Deadline (s) of one DHT read/write"
     )

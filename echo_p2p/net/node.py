@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import re
 import socket
 import threading
 import time
@@ -101,6 +102,8 @@ def start_dht(
     if not client_mode:  # a reader (monitor, swarm status) dials out only: it needs no relay
         kwargs.update(relay_options(network.relay_addresses, network.reachability))
     deadline = time.monotonic() + network.startup_timeout
+    knock_deadline = min(deadline, time.monotonic() + network.knock_timeout)
+    said = False  # the reason is logged once, not on every knock
     try:
         while True:
             dht = hivemind.DHT(**kwargs)
@@ -118,12 +121,14 @@ def start_dht(
             except Exception as exc:
                 _kill(dht)
                 message = _explain_start_error(exc, network)
-                # a bootstrap that is (re)starting: keep knocking until the start-up deadline
-                if not _no_initial_peer_answered(exc) or time.monotonic() + JOIN_RETRY >= deadline:
+                # a bootstrap that is (re)starting: keep knocking until the knock deadline
+                if not _no_initial_peer_answered(exc) or time.monotonic() + JOIN_RETRY >= knock_deadline:
                     raise NodeStartError(message) from None
-                logger.info(
-                    "%s; trying again until the %.0f s start-up deadline", message, network.startup_timeout
-                )
+                if not said:
+                    said = True
+                    logger.info(
+                        "%s; trying again every %.0f s for %.0f s", message, JOIN_RETRY, network.knock_timeout
+                    )
                 time.sleep(JOIN_RETRY)
     finally:
         # the daemon has read an ephemeral key file by now (or is gone): remove it, so that no private key
@@ -197,13 +202,26 @@ def _no_initial_peer_answered(exc: Exception) -> bool:
     return "bootstrap" in str(exc).lower()
 
 
+#: hivemind's refusal of a node whose clock is off the initial peers' (``DHTProtocol.call_ping``).
+_CLOCK_SKEW_RE = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
+
+
 def _explain_start_error(exc: Exception, network: NetworkConfig) -> str:
     text = str(exc)
     if _no_initial_peer_answered(exc):
         return (
-            "none of the initial peers answered: "
+            f"none of the initial peers answered within {min(network.knock_timeout, network.startup_timeout):.0f} s: "
             + ", ".join(network.initial_peers)
-            + " (is the bootstrap running, and is the address complete with its /p2p/ part?)"
+            + " (is the bootstrap running, its TCP port open to this machine, and the address complete with its "
+            "/p2p/ part? --knock-timeout S waits longer for a bootstrap that is starting)"
+        )
+    skew = _CLOCK_SKEW_RE.search(text)
+    if skew:
+        local, peer = float(skew.group(1)), float(skew.group(2))
+        return (
+            f"this machine's clock is {local - peer:+.0f} s off the bootstrap's (here "
+            f"{time.strftime('%H:%M:%S', time.gmtime(local))} UTC, there {time.strftime('%H:%M:%S', time.gmtime(peer))} "
+            "UTC) and DHT nodes must agree within a few seconds: set the clock (e.g. timedatectl set-ntp true)"
         )
     if "already taken" in text:
         return f"{text}: another running peer uses this identity file; give each peer its own --identity-path"

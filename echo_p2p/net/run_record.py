@@ -12,8 +12,9 @@ The signed record travels as a ``SignedRunRecord`` under ``SwarmKeys.run``: any 
 themselves, so a stranger can store garbage there (one record per key, like every directory key) but
 cannot forge or hide a valid one. A newer serial replaces an older one; an expired record trusts nobody.
 
-Owned here: the schemas, canonical bytes, signing and verification, choosing the newest valid record, the
-join address, and the record file (written by ``python -m echo_p2p.owner sign``). No network I/O: the
+Owned here: the schemas, canonical bytes, signing and verification, choosing the newest valid record, what
+is wrong when a joining peer finds no valid one (``explain_missing``: a wrong owner or run id, an expired or
+unsigned record, each with its fix), the join address, and the record file (written by ``python -m echo_p2p.owner sign``). No network I/O: the
 directory stores and reads the ``SignedRunRecord``s, ``transport.trust.RunTrust`` applies them.
 """
 
@@ -177,6 +178,69 @@ def newest_valid(
     return best, refused
 
 
+#: How to fix each refusal of a record, for people (``explain_missing``, ``read_file``).
+RESIGN = "the owner signs a new one (python -m echo_p2p.owner init again, or owner sign) and restarts the bootstrap with it"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _signer(item: SignedRunRecord) -> tuple[str | None, RunRecord | None]:
+    """The peer id of the key a stored copy claims as its owner, and the record (None where unreadable)."""
+    try:
+        record = RunRecord.model_validate(msgpack.unpackb(item.record, raw=False, strict_map_key=True))
+        return peer_id_of_key(record.owner_key), record
+    except Exception:
+        return None, None
+
+
+def explain_missing(
+    signed: Iterable[SignedRunRecord], run_id: str, owner: str, now: float | None = None, min_serial: int = 0
+) -> str:
+    """Why no valid record of ``run_id`` signed by ``owner`` (with a serial of at least ``min_serial``, the
+    join address's) is among ``signed`` (every copy stored under the run's key, read by a node that refuses
+    none), and how to fix it: one line for a person."""
+    now = time.time() if now is None else now
+    items = list(signed)
+    if not items:
+        return (
+            f"no run named {run_id!r} on this bootstrap: nothing is stored under that run id (check the run id "
+            "of your --join address; the owner's bootstrap prints the run's address, and keeps its record only "
+            "when started with --run-record)"
+        )
+    reasons = [(verify(i.record, i.signature, run_id, owner, now), *_signer(i)) for i in items]
+    others = sorted({who for reason, who, _ in reasons if reason == WRONG_OWNER and who})
+    if others:
+        return (
+            f"the run's record is signed by {', '.join(others)}, not by the owner {owner} of your address: "
+            f"check the owner part of --join {run_id}:OWNER@... (the bootstrap prints the run's whole address)"
+        )
+    older = [r for r in reasons if isinstance(r[0], RunRecord) and r[0].serial < min_serial]
+    if older:
+        newest = max(r[0].serial for r in older)
+        return (
+            f"the run record of {run_id!r} found has serial {newest}, older than the serial {min_serial} your "
+            "address names: this bootstrap serves an old record (or hides the newer one); ask the owner for "
+            "the run's current address, or join through another bootstrap"
+        )
+    expired = [record for reason, _, record in reasons if reason == EXPIRED and record is not None]
+    if expired:
+        last = max(r.expires_at for r in expired)
+        return (
+            f"the run record of {run_id!r} expired at {_when(last)} (this machine's clock: {_when(now)}): "
+            f"{RESIGN}; if the date is right and your clock is not, set your clock"
+        )
+    wrong_run = sorted({r.run_id for reason, _, r in reasons if reason == WRONG_RUN and r is not None})
+    if wrong_run:
+        return f"the record stored under run {run_id!r} declares run {', '.join(wrong_run)}: {RESIGN}"
+    found = sorted({reason for reason, _, _ in reasons if isinstance(reason, str)})
+    return (
+        f"the run record of {run_id!r} is not validly signed by {owner} ({', '.join(found)}: altered, or not "
+        f"signed by the owner key): {RESIGN}"
+    )
+
+
 # ---- the join address ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JoinAddress:
@@ -236,6 +300,10 @@ def read_file(path: str | Path) -> tuple[RunRecord, bytes, bytes]:
     except Exception as exc:
         raise ValueError(f"{path} is not a signed run record ({type(exc).__name__})") from None
     result = verify(record_bytes, signature, record.run_id, peer_id_of_key(record.owner_key))
+    if result == EXPIRED:
+        raise ValueError(f"run record {path} expired at {_when(record.expires_at)}: {RESIGN}")
     if isinstance(result, str):
-        raise ValueError(f"run record {path} refused: {result}")
+        raise ValueError(
+            f"run record {path} refused: {result} (altered, or not signed by its owner key): {RESIGN}"
+        )
     return result, record_bytes, signature

@@ -20,7 +20,7 @@ from echo_p2p import PROTOCOL_VERSION, __version__
 from echo_p2p.config import PeerConfig
 from echo_p2p.logs import status_prefix
 from echo_p2p.metrics import MetricsWriter
-from echo_p2p.net.directory import SwarmDirectory, wait_for
+from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity, load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
@@ -30,8 +30,10 @@ from echo_p2p.net.records import PeerRecord, SignedRunRecord
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a peer that joined with the run owner's address waits at start for the owner's run record.
-RUN_RECORD_WAIT = 30.0
+#: Seconds a peer that joined with the run owner's address looks for the owner's run record at start before
+#: it refuses to go on and says what it found instead (``run_record.explain_missing``): the bootstrap that
+#: keeps the record has it from its start, so a few reads settle it.
+RUN_RECORD_WAIT = 3.0
 
 #: Deadline (s) of the last announcement a leaving peer makes. Its record keeps the normal lifetime: the DHT
 #: replaces a record only with one that expires later, so a shorter-lived "leaving" record would be ignored.
@@ -65,6 +67,7 @@ class BasePeer:
         self.trust = None  # transport.trust.RunTrust: whom this peer takes for the run's trainers
         self._signed_run_record: SignedRunRecord | None = None  # the owner's record, if this peer keeps it
         self._announcer: threading.Thread | None = None
+        self._announced = False  # a record of this peer was stored once
         self._shutdown_done = False
         self._lock = threading.Lock()
 
@@ -111,13 +114,8 @@ class BasePeer:
         self.maddrs, self.reachability = self.reach.current()
         self.trust = self._make_trust()
         self._keep_run_record()
-        wait_for(lambda: self.stop_event.is_set() or self.refresh_trust(), RUN_RECORD_WAIT, period=1.0)
-        if self.trust.owner is not None and self.trust.record is None and not self.stop_event.is_set():
-            logger.warning(
-                "%s no run record of owner %s found yet: no trainer is trusted until one arrives",
-                self.prefix(),
-                self.trust.owner,
-            )
+        self._find_run_record()
+        self.refresh_trust()
         self.announce()
         logger.info("%s loading the model and the task", self.prefix())
         self.on_start()
@@ -160,7 +158,8 @@ class BasePeer:
             self._announcer.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:
             try:
-                self.announce(state="leaving", timeout=LEAVING_TIMEOUT)
+                if self._announced:  # say it leaves (a join refused at start announced nothing)
+                    self.announce(state="leaving", timeout=LEAVING_TIMEOUT)
             except Exception as exc:  # leaving must never fail
                 logger.debug("could not announce leaving: %s", exc)
             stop_dht(self.dht)
@@ -191,6 +190,31 @@ class BasePeer:
         section = config.inference if self.role == "inference" else config.trainer
         path = section.trusted_trainers
         return RunTrust(fixed=TrustedTrainers.from_file(path) if path else None)
+
+    def _find_run_record(self) -> None:
+        """Read the run's key until a valid record of the owner is among its copies; after ``RUN_RECORD_WAIT``
+        raise ``NodeStartError`` saying what is there instead (a wrong owner or run id, an expired or unsigned
+        record). This node is not yet told the owner (``refresh_trust`` does that next), so it refuses none of
+        the copies, and a record signed by someone else can be named."""
+        if self.trust.owner is None or self.trust.record is not None:
+            return
+        from echo_p2p.net.node import NodeStartError
+        from echo_p2p.net.run_record import explain_missing
+
+        deadline = time.monotonic() + RUN_RECORD_WAIT
+        while not self.stop_event.is_set():
+            found = [e.record for e in self.directory.run_records()]
+            if self.trust.update(found):
+                logger.info("%s trusts %s", self.prefix(), self.trust.describe())
+                self._check_run_settings(self.trust.record)
+                return
+            if time.monotonic() >= deadline:
+                raise NodeStartError(
+                    explain_missing(
+                        found, self.config.run_id, self.trust.owner, min_serial=self.trust.min_serial
+                    )
+                )
+            self.stop_event.wait(0.5)
 
     def _keep_run_record(self) -> None:
         """Re-store the owner's signed run record under this peer's key (peers given ``--run-record``)."""
@@ -231,7 +255,15 @@ class BasePeer:
         if allowed and self.role == "trainer" and sorted(allowed) != sorted(run.sampler_precisions or []):
             wrong.append(f"sampler precisions {allowed!r} (this trainer: {run.sampler_precisions!r})")
         if wrong:
-            message = f"the run record of {record.run_id} says " + ", ".join(wrong)
+            flags = {"model": record.model, "task": record.task, "mode": record.mode}
+            flags.update(temperature=record.temperature, top_p=record.top_p, top_k=record.top_k)
+            fix = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
+            message = (
+                f"the run record of {record.run_id} says "
+                + ", ".join(wrong)
+                + f": start this peer with {fix} "
+                "(the run's settings), or join another run"
+            )
             if self.directory is not None and self._announcer is not None:  # found while running: stop
                 logger.error("%s %s; leaving the run", self.prefix(), message)
                 self.exit_code = 1
@@ -265,6 +297,7 @@ class BasePeer:
     ) -> bool:
         assert self.directory is not None, "start() first"
         ok = self.directory.announce(self.record(state), ttl or self.config.record_ttl, timeout)
+        self._announced = self._announced or ok
         if not ok:
             self.announcements_failed += 1
             logger.warning("%s announcement was not stored by any DHT node", self.prefix())

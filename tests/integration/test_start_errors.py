@@ -63,7 +63,9 @@ def test_a_peer_started_before_its_bootstrap_joins_once_the_bootstrap_is_up(tmp_
     peer = threading.Thread(
         target=lambda: joined.append(
             start_dht(
-                NetworkConfig(initial_peers=[address], host_maddrs=[LOOPBACK], startup_timeout=40),
+                NetworkConfig(
+                    initial_peers=[address], host_maddrs=[LOOPBACK], startup_timeout=40, knock_timeout=40
+                ),
                 load_or_create_identity(None),
             )
         ),

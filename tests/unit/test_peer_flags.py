@@ -183,3 +183,26 @@ def test_a_peer_sampling_otherwise_than_the_run_record_says_does_not_take_part(t
     with pytest.raises(ValueError, match="sampler precisions"):
         check(TrainerPeer, "--top-p", "0.7", "--top-k", "20")
     owner.cleanup()
+
+
+def test_a_model_or_task_unlike_the_run_records_is_refused_with_the_flags_that_fix_it(tmp_path):
+    import time
+
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.run_record import RunRecord
+    from echo_p2p.roles.inference import InferencePeer
+
+    owner = load_or_create_identity(None)
+    (tmp_path / "t").write_text(owner.peer_id + "\n")
+    record = RunRecord(
+        run_id="r", owner_key=owner.public_key_bytes().decode(), trainers=[owner.peer_id], serial=1,
+        issued_at=time.time(), expires_at=time.time() + 60, model="smollm2", task="arithmetic", mode="async",
+    )  # fmt: skip
+    flags = ["--role", "inference", "--run-id", "r", "--initial-peers", MADDR, "--trusted-trainers"]
+    config = parse_config([*flags, str(tmp_path / "t"), "--model", "tiny", "--task", "count"], environ={})
+    with pytest.raises(ValueError) as err:
+        InferencePeer(config, identity=owner)._check_run_settings(record)
+    text = str(err.value)
+    assert "model 'smollm2' (this peer: 'tiny')" in text and "task 'arithmetic' (this peer: 'count')" in text
+    assert "start this peer with --model smollm2 --task arithmetic --mode async" in text
+    owner.cleanup()

@@ -146,6 +146,43 @@ def test_owner_cli_signs_a_record_of_a_trainers_file_and_shows_it(people, tmp_pa
         )
 
 
+def test_a_missing_record_is_explained_with_what_was_found_and_the_fix(people):
+    """A peer that finds no valid record says why: nothing under the run id, a record signed by another
+    owner (named), an expired one (with its date), one altered or not signed by its key."""
+    owner, stranger = people["owner"].peer_id, people["stranger"].peer_id
+    assert "no run named 'r1' on this bootstrap" in rr.explain_missing([], "r1", owner)
+    text = rr.explain_missing([make(people)], "r1", stranger)
+    assert f"the run's record is signed by {owner}, not by the owner {stranger} of your address" in text
+    expired = make(people, valid=-60.0)
+    text = rr.explain_missing([expired], "r1", owner)
+    assert "the run record of 'r1' expired at" in text and "owner init again, or owner sign" in text
+    signed = make(people)
+    altered = SignedRunRecord(peer_id=signed.peer_id, record=signed.record, signature=b"\0" * 256)
+    assert "is not validly signed by" in rr.explain_missing([altered], "r1", owner)
+    assert "bad_signature" in rr.explain_missing([altered], "r1", owner)
+    garbage = SignedRunRecord(peer_id=signed.peer_id, record=b"\xc1", signature=b"x")
+    assert "malformed" in rr.explain_missing([garbage], "r1", owner)
+    # a valid record older than the serial the join address names (a stale or eclipsing bootstrap)
+    text = rr.explain_missing([make(people, serial=3)], "r1", owner, min_serial=5)
+    assert "found has serial 3, older than the serial 5 your address names" in text
+    # a stranger's copy next to the owner's expired one: the stranger is named first (the address is wrong)
+    assert "signed by" in rr.explain_missing([expired, make(people, owner="stranger")], "r1", owner)
+
+
+def test_an_expired_record_file_is_refused_with_its_date_and_the_fix(people, tmp_path):
+    now = time.time()
+    record = rr.RunRecord(
+        run_id="r1", owner_key=people["owner"].public_key_bytes().decode(), trainers=[people["t1"].peer_id],
+        serial=1, issued_at=now - 100, expires_at=now - 50,
+    )  # fmt: skip
+    rr.write_file(tmp_path / "old.record", *rr.sign(record, people["owner"]))
+    with pytest.raises(ValueError, match="expired at .* the owner signs a new one"):
+        rr.read_file(tmp_path / "old.record")
+    rr.write_file(tmp_path / "unsigned.record", record.to_bytes(), b"")
+    with pytest.raises(ValueError, match="refused: bad_signature .*not signed by its owner key"):
+        rr.read_file(tmp_path / "unsigned.record")
+
+
 def test_a_run_record_older_than_the_join_addresss_is_refused(people):
     """Run-record rollback, found by an attacker: a stranger's DHT node serving only the owner's older record
     (naming a trainer since removed) made a fresh reader trust that trainer again. A join address now names
