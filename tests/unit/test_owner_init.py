@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def test_init_cli_refuses_a_bad_run_id_and_host_with_exit_2(tmp_path):
     join = (tmp_path / "join-address").read_text().strip()
     assert f"join address: {join}" in r.stdout
     printed = [shlex.split(line) for line in r.stdout.splitlines() if line.startswith("  ")]
-    modules = [args[2] for args in printed if args[0] == sys.executable]
+    python = {sys.executable, os.path.relpath(sys.executable)}  # relative when run inside the clone
+    modules = [args[2] for args in printed if args[0] in python]
     assert modules == ["echo_p2p.bootstrap", "echo_p2p.peer", "echo_p2p.peer"]
     assert any(args[:2] == ["bash", "scripts/join.sh"] and join in args for args in printed)
