@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One-shot check of the GPU paths, for a machine with one NVIDIA GPU (about 10 minutes, most of it installing):
+#   0. the donor's set-up (scripts/setup.sh --cuda) and the peer's machine check for cuda:0;
 #   1. builds .venv-vllm with vLLM's CUDA build (scripts/setup_vllm.sh cuda);
 #   2. benchmarks/engines.py on the GPU, tiny preset and SmolLM2-135M: tokens/s of vLLM against the
 #      transformers engine, and of bitsandbytes 8-bit / 4-bit on CUDA, with each engine's behaviour log-probs
@@ -15,6 +16,11 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+# 0. the donor's set-up: .venv with a CUDA build of torch, and the peer's machine check passes for cuda:0
+bash scripts/setup.sh --cuda || echo "[gpu-check] setup.sh --cuda failed: the donor's path needs work" >&2
+.venv/bin/python -c 'from echo_p2p.ml.machine import machine_problems; from echo_p2p.ml.models import ModelSpec
+p = machine_problems(ModelSpec(preset="tiny", device="cuda:0", dtype="bfloat16")); print("[gpu-check] machine check:", p or "ok"); assert not p' \
+  || echo "[gpu-check] the machine check refuses this GPU" >&2
 bash scripts/setup_vllm.sh cuda || { echo "[gpu-check] could not build the vLLM environment" >&2; exit 1; }
 PY="$ROOT/.venv-vllm/bin/python"
 "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device visible to torch"' || exit 1
