@@ -1,14 +1,15 @@
 """``python -m echo_p2p.doctor --join ADDRESS``: walk each hop of a join and name the first that fails.
 
 A donor whose peer does not train cannot see where the chain breaks. The doctor joins the run's DHT as a
-client (it stores and serves nothing) and checks, in order, each hop a peer depends on, with a bounded
+node that listens as a peer would (on ``--host-maddrs``) and checks, in order, each hop a peer depends on, with a bounded
 deadline each: the **bootstrap** answers; this machine's **clock** agrees with the bootstrap's; a **run
 record** signed by the address's owner is there (``run_record.explain_missing`` otherwise); the run's
 **trainers** are announced; one of them is **reachable** from here; a **weight** manifest of its newest
-policy version can be fetched from its publisher; and a **room** query (a push of no rollouts) is answered.
-It prints one line per hop, stops at the first that fails with what is wrong and how to fix it, and exits 1
-then (0 when every hop passes, 2 on a bad address). Not checked here: whether others can dial *this*
-machine and its relay reservation (a running peer finds that out itself: ``swarm status``, REACH).
+policy version can be fetched from its publisher; a **room** query (a push of no rollouts) is answered; and
+**this machine** can be reached by others: directly, or through a relay reservation on a bootstrap when it is
+behind a NAT (AutoNAT's verdict and the reservation, as the node's daemon reports its own addresses:
+``net.reachability``). It prints one line per hop, stops at the first that fails with what is wrong and how
+to fix it, and exits 1 then (0 when every hop passes, 2 on a bad address).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from echo_p2p.cli import EXIT_CONFIG, add_network_flags, fail, network_flags
 HOP_TIMEOUT = 8.0
 #: Most clock difference to the bootstrap that hivemind's DHT accepts (``MAX_DHT_TIME_DISCREPANCY_SECONDS``).
 MAX_SKEW = 3.0
+#: Seconds this machine is given to find out whether others can dial it (AutoNAT's dial-backs, then a relay
+#: reservation on a bootstrap: seconds after start).
+REACH_WAIT = 20.0
 #: Seconds the run record is looked for (a peer waits as long: ``roles.base.RUN_RECORD_WAIT``).
 RECORD_WAIT = 3.0
 
@@ -80,6 +84,7 @@ class Doctor:
             ("trainer reachable", self.trainer_reachable),
             ("weights", self.weights),
             ("room", self.room),
+            ("this machine", self.this_machine),
         ]
 
     def run(self, report: Callable[[Hop], None] = lambda hop: None) -> list[Hop]:
@@ -104,7 +109,7 @@ class Doctor:
         self.identity = load_or_create_identity(None)
         t0 = time.monotonic()
         try:
-            self.dht = start_dht(self.network, self.identity, [self.keys], client_mode=True)
+            self.dht = start_dht(self.network, self.identity, [self.keys])
         except NodeStartError as exc:
             raise HopFailed(str(exc)) from None
         self.directory = SwarmDirectory(self.dht, self.keys, self.identity, HOP_TIMEOUT)
@@ -231,6 +236,27 @@ class Doctor:
             raise HopFailed(f"trainer {peer_id} refused a room query: {ack.error}")
         return (
             f"trainer {peer_id} has room for {ack.free_room} group(s), at policy version {ack.policy_version}"
+        )
+
+    def this_machine(self) -> str:
+        from echo_p2p.net.reachability import Reachability
+
+        reach = Reachability(self.dht, self.network.initial_peers, period=2.0)  # also its read deadline
+        deadline = time.monotonic() + REACH_WAIT
+        maddrs, status = reach.current()
+        while status == "unreachable" and time.monotonic() < deadline:
+            time.sleep(1.0)
+            maddrs, status = reach.current()
+        more = f" (+{len(maddrs) - 1} more)" if len(maddrs) > 1 else ""
+        if status == "direct":
+            return f"others in the run's scope can dial it directly: {maddrs[0]}{more}"
+        if status == "relayed":
+            return f"behind a NAT, reachable through a relay reservation: {maddrs[0]}{more}"
+        raise HopFailed(
+            f"nobody in the run's scope can dial this machine, and no relay slot was reserved within "
+            f"{REACH_WAIT:.0f} s: a peer here still samples and trains over its own connections, but serves no "
+            "weights to others; forward a TCP port (--host-maddrs, --announce-maddrs) or check that the "
+            "bootstrap relays (docs/protocol.md, 'Reachability')"
         )
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ import pytest
 from echo_p2p.local_keys import free_port_below_ephemeral
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.run_record import JoinAddress
-from tests.conftest import read_log, wait_until
+from tests.conftest import LOOPBACK, read_log, wait_until
 from tests.integration.test_owner_walkthrough import owner_init
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def doctor(address: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.doctor", "--join", address],
+        [sys.executable, "-m", "echo_p2p.doctor", "--join", address, "--host-maddrs", LOOPBACK],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from echo_p2p.local_keys import free_port_below_ephemeral
-from tests.conftest import read_log, wait_until
+from tests.conftest import LOOPBACK, read_log, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,11 +59,16 @@ def test_owner_init_then_the_printed_lines_make_a_run_a_donor_joins_and_trains(p
     assert "applied version" in read_log(donor), read_log(donor)[-3000:]
     # with the run up, every hop of a join passes the doctor (trainer reachable, a weight manifest, a room query)
     r = subprocess.run(
-        [sys.executable, "-m", "echo_p2p.doctor", "--join", join], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "echo_p2p.doctor", "--join", join, "--host-maddrs", LOOPBACK],
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     hops = [row.split(":")[0] for row in r.stdout.splitlines()]
     assert hops == [
         f"ok   {h}"
         for h in ("bootstrap", "clock", "run record", "trainers", "trainer reachable", "weights", "room")
+        + ("this machine",)
     ], r.stdout
+    assert "can dial it directly: /ip4/127.0.0.1/" in r.stdout  # a run on loopback: its scope

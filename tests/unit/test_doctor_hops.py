@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from echo_p2p.doctor import Doctor, Hop, HopFailed
 from echo_p2p.net.run_record import JoinAddress
 
@@ -37,7 +39,7 @@ def test_every_hop_is_walked_in_order_when_all_pass():
     doctor = Scripted(None)
     hops = doctor.run()
     assert [h.name for h in hops] == [
-        "bootstrap", "clock", "run record", "trainers", "trainer reachable", "weights", "room",
+        "bootstrap", "clock", "run record", "trainers", "trainer reachable", "weights", "room", "this machine",
     ]  # fmt: skip
     assert all(h.ok for h in hops)
 
@@ -65,3 +67,40 @@ def test_a_bad_address_is_a_config_error_and_help_imports_no_torch():
     )
     assert r.returncode == 0 and "usage: python -m echo_p2p.doctor" in r.stdout
     assert not re.search(r"\|\s+torch(\.|$)", r.stderr, re.MULTILINE)
+
+
+class FakeReach:
+    """What a node's daemon says of its own addresses, in turn (``net.reachability.Reachability``)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def current(self):
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+@pytest.mark.parametrize(
+    "answers, ok, text",
+    [
+        ([([], "unreachable"), (["/ip4/127.0.0.1/tcp/5/p2p/QmA"], "direct")], True, "dial it directly"),
+        ([(["/ip4/9.9.9.9/tcp/1/p2p/QmR/p2p-circuit/p2p/QmA"], "relayed")], True, "relay reservation"),
+        ([([], "unreachable")], False, "no relay slot was reserved"),
+    ],
+)
+def test_this_machine_is_reachable_directly_or_through_a_relay_or_the_hop_says_how_to_fix_it(
+    monkeypatch, answers, ok, text
+):
+    import echo_p2p.doctor as doctor_module
+    import echo_p2p.net.reachability as reachability
+
+    monkeypatch.setattr(reachability, "Reachability", lambda *a, **k: FakeReach(answers))
+    monkeypatch.setattr(doctor_module, "REACH_WAIT", 1.5)
+    from echo_p2p.config import NetworkConfig
+
+    join = JoinAddress.parse(ADDRESS)
+    doctor = Doctor(join, NetworkConfig(initial_peers=list(join.initial_peers)))
+    if ok:
+        assert text in doctor.this_machine()
+    else:
+        with pytest.raises(HopFailed, match=text):
+            doctor.this_machine()
