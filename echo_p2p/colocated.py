@@ -312,21 +312,9 @@ class ColocatedTrainer:
         """Score the policy on the held-out prompts when due (the publishing trainer's rule and figures)."""
         if self.config.standalone_pool:
             return  # the standalone trainer relearns a fixed pool: its policy is not what is measured
-        figures = self.evaluator.maybe(self.version)
-        if figures is None:
-            return
-        self.eval_records.append(figures)
-        self.metrics.write(
-            self.version, event="eval", eval_s_total=round(self.evaluator.seconds_total, 3), **figures
-        )
-        logger.info(
-            "[colocated %s] held-out evaluation of version %d: accuracy %.3f, reward %.3f (%.2f s)",
-            self.config.name,
-            self.version,
-            figures["eval_accuracy"],
-            figures["eval_reward"],
-            figures["eval_seconds"],
-        )
+        figures = self.evaluator.maybe_record(self.version, self.metrics, f"[colocated {self.config.name}]")
+        if figures is not None:
+            self.eval_records.append(figures)
 
 
 def summarize(records: list[dict[str, Any]], window: int = 20) -> dict[str, float]:

@@ -289,26 +289,11 @@ class TrainerPeer(BasePeer):
         steps, within ``trainer.evaluation.max_share`` of the time): a metrics line and ``eval/`` tags."""
         if not self.is_publisher or self.evaluator is None or self.stop_event.is_set():
             return
-        figures = self.evaluator.maybe(self.policy_version or 0)
-        if figures is None:
-            return
-        self.metrics.write(
-            self.policy_version,
-            event="eval",
-            steps=self.steps,
-            eval_s_total=round(self.evaluator.seconds_total, 3),
-            **figures,
+        figures = self.evaluator.maybe_record(
+            self.policy_version or 0, self.metrics, self.prefix(), steps=self.steps
         )
-        self.trackers.log(figures, self.steps)
-        logger.info(
-            "%s held-out evaluation of version %d: accuracy %.3f, reward %.3f (%d prompts, %.2f s)",
-            self.prefix(),
-            figures["eval_version"],
-            figures["eval_accuracy"],
-            figures["eval_reward"],
-            figures["eval_prompts"],
-            figures["eval_seconds"],
-        )
+        if figures is not None:
+            self.trackers.log(figures, self.steps)
 
     def _train(self, batch: list) -> None:
         t0 = time.monotonic()

@@ -206,3 +206,22 @@ class Evaluator:
         self.evaluations += 1
         self.last = {"eval_version": version, **figures}
         return self.last
+
+    def maybe_record(self, version: int, metrics: Any, label: str, **extra: Any) -> dict[str, Any] | None:
+        """``maybe``, and when it evaluated, the two records every caller makes of it: one metrics line
+        (``"event": "eval"``, with ``extra`` and the total seconds so far; ``metrics`` is an
+        ``echo_p2p.metrics.MetricsWriter``) and one log line prefixed ``label``."""
+        figures = self.maybe(version)
+        if figures is None:
+            return None
+        metrics.write(version, event="eval", eval_s_total=round(self.seconds_total, 3), **extra, **figures)
+        logger.info(
+            "%s held-out evaluation of version %d: accuracy %.3f, reward %.3f (%d prompts, %.2f s)",
+            label,
+            version,
+            figures["eval_accuracy"],
+            figures["eval_reward"],
+            figures["eval_prompts"],
+            figures["eval_seconds"],
+        )
+        return figures
