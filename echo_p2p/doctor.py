@@ -31,8 +31,6 @@ MAX_SKEW = 3.0
 #: Seconds this machine is given to find out whether others can dial it (AutoNAT's dial-backs, then a relay
 #: reservation on a bootstrap: seconds after start).
 REACH_WAIT = 20.0
-#: Seconds the run record is looked for (a peer waits as long: ``roles.base.RUN_RECORD_WAIT``).
-RECORD_WAIT = 3.0
 
 
 class HopFailed(Exception):
@@ -129,25 +127,18 @@ class Doctor:
         return f"{-offset:+.2f} s off the bootstrap's"
 
     def run_record(self) -> str:
-        from echo_p2p.net.run_record import explain_missing, newest_valid
+        from echo_p2p.net.directory import find_run_record
+        from echo_p2p.transport.trust import RunTrust
 
-        deadline = time.monotonic() + RECORD_WAIT
-        while True:
-            found = [e.record for e in self.directory.run_records()]
-            self.record, _ = newest_valid(
-                found, self.join.run_id, self.join.owner, min_serial=self.join.min_serial
-            )
-            if self.record is not None:
-                r = self.record
-                return (
-                    f"serial {r.serial} signed by {self.join.owner}: {len(r.trainers)} trainer(s), "
-                    f"model {r.model}, task {r.task}, mode {r.mode}"
-                )
-            if time.monotonic() >= deadline:
-                raise HopFailed(
-                    explain_missing(found, self.join.run_id, self.join.owner, min_serial=self.join.min_serial)
-                )
-            time.sleep(0.5)
+        trust = RunTrust(owner=self.join.owner, run_id=self.join.run_id, min_serial=self.join.min_serial)
+        missing = find_run_record(self.directory, trust)  # as long as a joining peer looks
+        if missing is not None:
+            raise HopFailed(missing)
+        self.record = r = trust.record
+        return (
+            f"serial {r.serial} signed by {self.join.owner}: {len(r.trainers)} trainer(s), "
+            f"model {r.model}, task {r.task}, mode {r.mode}"
+        )
 
     def listed_trainers(self) -> str:
         wanted = set(self.record.trainers)

@@ -215,6 +215,34 @@ class SwarmDirectory:
         return record
 
 
+#: Seconds a peer that joined with the run owner's address (and the doctor) looks for the owner's run record
+#: at start before it says what it found instead (``run_record.explain_missing``): the bootstrap that keeps
+#: the record has it from its start, so a few reads settle it.
+RUN_RECORD_WAIT = 3.0
+
+
+def find_run_record(
+    directory: SwarmDirectory, trust, timeout: float = RUN_RECORD_WAIT, stop=None
+) -> str | None:
+    """Read the run's key until ``trust`` (a ``transport.trust.RunTrust`` told the owner, with no record yet)
+    takes a valid record of its owner from the stored copies (``trust.record``); None then, or when ``stop``
+    (a ``threading.Event``) is set. After ``timeout``: why none is valid and how to fix it, for a person."""
+    from echo_p2p.net.run_record import explain_missing
+
+    deadline = time.monotonic() + timeout
+    while stop is None or not stop.is_set():
+        found = [e.record for e in directory.run_records()]
+        if trust.update(found):
+            return None
+        if time.monotonic() >= deadline:
+            return explain_missing(found, trust.run_id, trust.owner, min_serial=trust.min_serial)
+        if stop is None:
+            time.sleep(0.5)
+        else:
+            stop.wait(0.5)
+    return None
+
+
 def wait_for(predicate, timeout: float, period: float = 0.2) -> bool:
     """Poll ``predicate()`` until it is true or ``timeout`` passes; returns the last result."""
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from echo_p2p import PROTOCOL_VERSION, __version__
 from echo_p2p.config import PeerConfig
 from echo_p2p.logs import status_prefix
 from echo_p2p.metrics import MetricsWriter
-from echo_p2p.net.directory import SwarmDirectory
+from echo_p2p.net.directory import SwarmDirectory, find_run_record
 from echo_p2p.net.identity import Identity, load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
@@ -30,10 +30,6 @@ from echo_p2p.net.records import PeerRecord, SignedRunRecord
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a peer that joined with the run owner's address looks for the owner's run record at start before
-#: it refuses to go on and says what it found instead (``run_record.explain_missing``): the bootstrap that
-#: keeps the record has it from its start, so a few reads settle it.
-RUN_RECORD_WAIT = 3.0
 
 #: Deadline (s) of the last announcement a leaving peer makes. Its record keeps the normal lifetime: the DHT
 #: replaces a record only with one that expires later, so a shorter-lived "leaving" record would be ignored.
@@ -192,29 +188,20 @@ class BasePeer:
         return RunTrust(fixed=TrustedTrainers.from_file(path) if path else None)
 
     def _find_run_record(self) -> None:
-        """Read the run's key until a valid record of the owner is among its copies; after ``RUN_RECORD_WAIT``
-        raise ``NodeStartError`` saying what is there instead (a wrong owner or run id, an expired or unsigned
-        record). This node is not yet told the owner (``refresh_trust`` does that next), so it refuses none of
-        the copies, and a record signed by someone else can be named."""
+        """Look for a valid record of the owner among the run key's copies (``directory.find_run_record``);
+        after ``directory.RUN_RECORD_WAIT`` raise ``NodeStartError`` saying what is there instead (a wrong owner or run
+        id, an expired or unsigned record). This node is not yet told the owner (``refresh_trust`` does that
+        next), so it refuses none of the copies, and a record signed by someone else can be named."""
         if self.trust.owner is None or self.trust.record is not None:
             return
         from echo_p2p.net.node import NodeStartError
-        from echo_p2p.net.run_record import explain_missing
 
-        deadline = time.monotonic() + RUN_RECORD_WAIT
-        while not self.stop_event.is_set():
-            found = [e.record for e in self.directory.run_records()]
-            if self.trust.update(found):
-                logger.info("%s trusts %s", self.prefix(), self.trust.describe())
-                self._check_run_settings(self.trust.record)
-                return
-            if time.monotonic() >= deadline:
-                raise NodeStartError(
-                    explain_missing(
-                        found, self.config.run_id, self.trust.owner, min_serial=self.trust.min_serial
-                    )
-                )
-            self.stop_event.wait(0.5)
+        missing = find_run_record(self.directory, self.trust, stop=self.stop_event)
+        if missing is not None:
+            raise NodeStartError(missing)
+        if self.trust.record is not None:
+            logger.info("%s trusts %s", self.prefix(), self.trust.describe())
+            self._check_run_settings(self.trust.record)
 
     def _keep_run_record(self) -> None:
         """Re-store the owner's signed run record under this peer's key (peers given ``--run-record``)."""
