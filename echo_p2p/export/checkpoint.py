@@ -27,7 +27,7 @@ from echo_p2p.export.config import (
     serving_dtype_name,
 )
 from echo_p2p.export.model_dir import prepare_out, write_model_dir
-from echo_p2p.export.policy_files import PolicyMeta, skeleton_from_files
+from echo_p2p.export.policy_files import PolicyMeta, skeleton_from_files, skeleton_from_spec, spec_name
 from echo_p2p.paths import expand_path
 from echo_p2p.train.checkpoint import (
     META_FILE,
@@ -95,7 +95,7 @@ def export_checkpoint(path: str | os.PathLike, config: ExportConfig) -> ExportRe
 
 def _skeleton(ckpt: Checkpoint, meta: PolicyMeta, config: ExportConfig) -> tuple[Any, Any, str]:
     """(model fp32 on CPU, tokenizer, what described them)."""
-    from echo_p2p.ml.models import ModelNotFoundError, ModelSpec, load_policy
+    from echo_p2p.ml.models import ModelNotFoundError, ModelSpec
 
     spec = config.model
     described_by = "the command line"
@@ -124,12 +124,11 @@ def _skeleton(ckpt: Checkpoint, meta: PolicyMeta, config: ExportConfig) -> tuple
             f"{ckpt.path.name} does not describe its model (written before checkpoints carried their config "
             "and tokenizer): pass the run's model, --model tiny|smollm2, --model-path DIR or --gguf-file FILE"
         )
-    spec = spec.model_copy(update={"quantize": None, "dtype": "float32", "device": "cpu"})
     try:
-        model, tokenizer = load_policy(spec)
+        model, tokenizer = skeleton_from_spec(spec)
     except ModelNotFoundError as exc:
         raise ExportError(str(exc)) from None
-    return model, tokenizer, f"{described_by} ({_spec_name(spec)})"
+    return model, tokenizer, f"{described_by} ({spec_name(spec)})"
 
 
 def _weights(ckpt: Checkpoint) -> dict[str, Any]:
@@ -141,10 +140,6 @@ def _weights(ckpt: Checkpoint) -> dict[str, Any]:
         raise ExportError(str(exc)) from None
     except Exception as exc:
         raise ExportError(f"{ckpt.path.name}/{MODEL_FILE} is unreadable: {_short(exc)}") from None
-
-
-def _spec_name(spec: Any) -> str:
-    return spec.preset or spec.gguf_file or spec.path or "?"
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from echo_p2p.export.config import ExportConfig, ExportError, ExportResult, LiveExportConfig
 from echo_p2p.export.model_dir import prepare_out, write_model_dir
+from echo_p2p.export.policy_files import skeleton_from_spec, spec_name
 
 logger = logging.getLogger(__name__)
 
@@ -154,14 +155,18 @@ def export_live(target: Any, config: ExportConfig, live: LiveExportConfig) -> Ex
     prepare_out(config.out, config.overwrite)  # fail before any work
     fetched = fetch_newest(target, live)
     spec = config.model or _spec_from_record(fetched.run_record)
-    model, tokenizer = _skeleton(spec)
-    from echo_p2p.ml.models import load_weights_
+    from echo_p2p.ml.models import ModelNotFoundError, load_weights_
+
+    try:
+        model, tokenizer = skeleton_from_spec(spec)
+    except ModelNotFoundError as exc:
+        raise ExportError(str(exc)) from None
 
     try:
         load_weights_(model, fetched.tensors, strict=True)
     except (KeyError, ValueError) as exc:
         raise ExportError(
-            f"version {fetched.version} of run {target.run_id} does not fit model {_spec_name(spec)}: {exc}"
+            f"version {fetched.version} of run {target.run_id} does not fit model {spec_name(spec)}: {exc}"
         ) from None
     floats = {str(t.dtype) for t in fetched.tensors.values() if t.is_floating_point()}
     held = _TORCH_DTYPE_NAMES.get(floats.pop()) if len(floats) == 1 else None
@@ -177,7 +182,7 @@ def export_live(target: Any, config: ExportConfig, live: LiveExportConfig) -> Ex
         "stream_id": fetched.stream_id,
         "publisher": fetched.publisher,
         "published_dtype": held,
-        "model": _spec_name(spec),
+        "model": spec_name(spec),
     }
     out = write_model_dir(model, tokenizer, config.out, dtype, info, sampling, config.overwrite)
     logger.info("exported version %d of run %s to %s (%s)", fetched.version, target.run_id, out, dtype)
@@ -193,16 +198,3 @@ def _spec_from_record(record) -> Any:
         return ModelSpec(preset=name)
     said = f"the run record names model {name!r}" if name else "the run does not name its model"
     raise ExportError(f"{said}: pass it with --model tiny|smollm2, --model-path DIR or --gguf-file FILE")
-
-
-def _skeleton(spec) -> tuple[Any, Any]:
-    from echo_p2p.ml.models import ModelNotFoundError, load_policy
-
-    try:
-        return load_policy(spec.model_copy(update={"quantize": None, "dtype": "float32", "device": "cpu"}))
-    except ModelNotFoundError as exc:
-        raise ExportError(str(exc)) from None
-
-
-def _spec_name(spec) -> str:
-    return spec.preset or spec.gguf_file or spec.path or "?"

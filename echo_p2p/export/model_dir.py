@@ -53,6 +53,8 @@ def write_model_dir(
     ``info`` goes into ``EXPORT_INFO_FILE`` (with the dtype and the time). Returns the directory."""
     import torch
 
+    from echo_p2p.ml.models import save_policy
+
     path = prepare_out(out, overwrite)
     torch_dtype = getattr(torch, dtype)
     model.to(dtype=torch_dtype)
@@ -67,8 +69,7 @@ def write_model_dir(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_policy(model, tokenizer, tmp)
         record = {**info, "dtype": dtype, "exported_at": time.time()}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         if path.exists():  # checked by prepare_out: empty, or overwrite

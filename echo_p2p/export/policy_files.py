@@ -5,9 +5,10 @@ Owned here: ``policy_files`` (the files of a Hugging Face model directory other 
 ``config.json``, ``generation_config.json``, the tokenizer files — as bytes, which the trainer attaches to
 every checkpoint), ``policy_meta`` (the ``policy`` entry of the checkpoint's ``extra``: the model spec, the
 precision inference peers hold, the run's sampling) and their readers, ``skeleton_from_files`` (the model,
-fp32 on CPU, and the tokenizer those files describe) and ``PolicyMeta``. Both sides live here so that what
+fp32 on CPU, and the tokenizer those files describe), ``skeleton_from_spec`` (the same from a ``ModelSpec``),
+``spec_name`` and ``PolicyMeta``. Both sides live here so that what
 the trainer writes and what the export reads cannot drift apart.
-Callers: the trainer peer (``roles.trainer``), ``export.checkpoint``, tests. Pure ML: no hivemind, no
+Callers: the trainer peer (``roles.trainer``), ``export.checkpoint``, ``export.live``, tests. Pure ML: no hivemind, no
 network; torch and transformers are imported inside the functions. Never executes code from the files
 (no ``trust_remote_code``).
 """
@@ -98,3 +99,16 @@ def skeleton_from_files(files: Mapping[str, bytes]) -> tuple[PreTrainedModel, Pr
         if "generation_config.json" in files:
             model.generation_config = GenerationConfig.from_pretrained(tmp, local_files_only=True)
     return model.eval(), tokenizer
+
+
+def skeleton_from_spec(spec: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (fp32, CPU, unquantised) and the tokenizer ``spec`` (a ``ModelSpec``) names, through
+    ``load_policy``; ``ModelNotFoundError`` when it is not on this machine."""
+    from echo_p2p.ml.models import load_policy
+
+    return load_policy(spec.model_copy(update={"quantize": None, "dtype": "float32", "device": "cpu"}))
+
+
+def spec_name(spec: Any) -> str:
+    """A ``ModelSpec``'s model, for messages: its preset, GGUF file or path."""
+    return spec.preset or spec.gguf_file or spec.path or "?"
