@@ -202,7 +202,9 @@ class SyncedOptimizer(hivemind.Optimizer):
         self._client_mode = dht.client_mode if client_mode is None else bool(client_mode)
         self.sync_token = fresh_token()
         self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
-        self.sync_stats = dict(agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0)
+        self.sync_stats = dict(
+            agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, advanced=0
+        )
         self._must_resync = False
         self._round_tags: dict[str, SyncTag | None] | None = None
         factory = functools.partial(_TaggedGradientAverager, **(grad_averager_opts or {}))
