@@ -62,7 +62,8 @@ class BasePeer:
         self.exit_code = 0  # what the CLI exits with once the peer stopped (a role sets 1 on a fatal error)
         self.trust = None  # transport.trust.RunTrust: whom this peer takes for the run's trainers
         self._signed_run_record: SignedRunRecord | None = None  # the owner's record, if this peer keeps it
-        self._announcer: threading.Thread | None = None
+        self._announcer: threading.Thread | None = None  # the peer's record, every heartbeat, nothing else
+        self._chores: threading.Thread | None = None  # run record, trust, the role's heartbeat, metrics
         self._announced = False  # a record of this peer was stored once
         self._shutdown_done = False
         self._lock = threading.Lock()
@@ -124,6 +125,8 @@ class BasePeer:
         )
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
+        self._chores = threading.Thread(target=self._chores_loop, name="heartbeat", daemon=True)
+        self._chores.start()
 
     def run(self) -> None:
         """Start (if needed) and run the role's work until ``request_stop`` or a signal."""
@@ -150,8 +153,9 @@ class BasePeer:
             self.metrics.write(self.policy_version, final=True, **figures)
         except Exception as exc:
             logger.debug("could not write the final metrics: %s", exc)
-        if self._announcer is not None:
-            self._announcer.join(timeout=self.config.network.request_timeout + 1)
+        for thread in (self._announcer, self._chores):
+            if thread is not None:
+                thread.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:
             try:
                 if self._announced:  # say it leaves (a join refused at start announced nothing)
@@ -291,20 +295,32 @@ class BasePeer:
         return ok
 
     def _announce_loop(self) -> None:
+        """Store this peer's record every heartbeat, on a thread of its own: the record lives 3 heartbeats
+        (``record_ttl``), and a liveness announcement queued behind the other heartbeat work (the run
+        record, trust, the role's own stores: each a DHT call of up to ``request_timeout``) lapsed while the
+        peer was alive and well under load (a trainer missing from ``swarm status`` in a CI run)."""
+        while not self.stop_event.wait(self.config.heartbeat_period):
+            try:
+                self.announce()
+            except (Exception, GeneratorExit, asyncio.CancelledError):
+                # hivemind's futures can raise BaseExceptions (a GeneratorExit out of a DHT call under a
+                # flood killed this thread for good): none of them may end the peer's announcements
+                logger.exception("%s announcement failed; will retry", self.prefix())
+
+    def _chores_loop(self) -> None:
+        """Every heartbeat: keep the run record, follow the run's trust, the role's ``on_heartbeat``; every
+        ``metrics_period``: the status line and the peer cache."""
         next_metrics = time.monotonic()
         while not self.stop_event.wait(self.config.heartbeat_period):
             try:
                 self._keep_run_record()
                 self.refresh_trust()
                 self.on_heartbeat()
-                self.announce()
                 if time.monotonic() >= next_metrics:
                     next_metrics = time.monotonic() + self.config.metrics_period
                     self._status()
                     self._remember_peers()
             except (Exception, GeneratorExit, asyncio.CancelledError):
-                # hivemind's futures can raise BaseExceptions (a GeneratorExit out of a DHT call under a
-                # flood killed this thread for good): none of them may end the peer's announcements
                 logger.exception("%s heartbeat failed; will retry", self.prefix())
 
     def _remember_peers(self) -> None:

@@ -122,6 +122,7 @@ def test_impostor_and_ghost_trainers_neither_publish_nor_receive_rollouts(procs,
     )
     assert status.returncode == 0, status.stderr
     rows = {row["peer_id"]: row for row in json.loads(status.stdout)["peers"]}
+    assert trainer.peer_id in rows, status.stdout + status.stderr
     assert rows[trainer.peer_id]["trusted"] is True
     assert rows[impostor.peer_id]["trusted"] is False
     assert ghost.peer_id not in rows  # no honest node stored its record: nothing of it outlives it

@@ -34,3 +34,34 @@ def test_announcer_keeps_announcing_after_base_exceptions_from_the_dht():
     thread.start()
     thread.join(10)
     assert not thread.is_alive() and len(calls) >= 5 and not failures
+
+
+def test_the_record_is_announced_every_heartbeat_while_other_heartbeat_work_hangs():
+    """A DHT store of the run record or the role's bans that takes long must not let the peer's own record
+    (3 heartbeats' life) lapse: a trainer went missing from ``swarm status`` under CI load that way."""
+    peer = BasePeer.__new__(BasePeer)
+    peer.stop_event = threading.Event()
+    peer.config = types.SimpleNamespace(heartbeat_period=0.02, metrics_period=3600.0, record_ttl=0.06)
+    peer.trust = None
+    peer._signed_run_record = None
+    peer.identity = types.SimpleNamespace(peer_id="QmTest")
+    peer.role = "trainer"
+    stuck = threading.Event()
+    announced = []
+    peer.announce = lambda *_a, **_k: announced.append(1) or True
+    peer._keep_run_record = lambda: None
+    peer.refresh_trust = lambda: None
+    peer.on_heartbeat = lambda: stuck.wait(10)  # a store that hangs
+    peer._status = lambda: None
+    peer._remember_peers = lambda: None
+    threads = [threading.Thread(target=t, daemon=True) for t in (peer._announce_loop, peer._chores_loop)]
+    for t in threads:
+        t.start()
+    try:
+        threading.Event().wait(0.6)
+        assert len(announced) >= 10, f"{len(announced)} announcements in 0.6 s at a 0.02 s heartbeat"
+    finally:
+        peer.stop_event.set()
+        stuck.set()
+        for t in threads:
+            t.join(5)
