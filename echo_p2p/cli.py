@@ -15,6 +15,9 @@ from collections.abc import Callable
 EXIT_CONFIG = 2  #: invalid flags or configuration (before any network start)
 EXIT_START = 1  #: could not start or join (port busy, initial peers silent, bad identity file)
 EXIT_INTERRUPTED = 130  #: stopped at once by a second Ctrl-C (128 + SIGINT, as a shell reports it)
+#: a peer's watchdog found a stall and ``--restart-on-stall`` was given (EX_TEMPFAIL: start it again;
+#: ``roles.watchdog``, docs/reliability.md)
+EXIT_STALLED = 75
 
 
 def add_network_flags(parser: argparse.ArgumentParser, *, host_default_help: str) -> None:
@@ -197,7 +200,7 @@ def install_stop_handlers(stop: Callable[[], None]) -> StopSignals:
 
 def run_peer(peer, what: str) -> None:
     """Start ``peer``, run it until a signal, always shut it down; exit 0, 1 with a clear start error, or
-    the peer's ``exit_code`` when its role stopped on a fatal error.
+    the peer's ``exit_code`` when its role stopped on a fatal error or a stall (``EXIT_STALLED``).
 
     ``peer`` has ``start``, ``run``, ``request_stop`` and an idempotent ``shutdown``. Expected start-up
     failures (DHT start, a model not on disk, a bad option or file) print one line instead of a traceback.

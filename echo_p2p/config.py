@@ -31,6 +31,7 @@ from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.paths import UserPath, expand_path
+from echo_p2p.roles.watchdog import WatchdogConfig
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.evaluation import EvalConfig
 from echo_p2p.train.pacing import PacingConfig
@@ -320,6 +321,10 @@ class PeerConfig(StrictModel):
         default_factory=InferenceSection, description="Inference peer settings"
     )
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer peer settings")
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig,
+        description="Progress signals with deadlines; what a stalled peer does (docs/reliability.md)",
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -383,6 +388,11 @@ class PeerConfig(StrictModel):
             raise ValueError(
                 "give either a run owner (--join / --run-record) or --trusted-trainers, not both: the run "
                 "record lists the trainers"
+            )
+        if self.watchdog.enabled and self.watchdog.dht_deadline < 2 * self.heartbeat_period:
+            raise ValueError(
+                f"watchdog.dht_deadline ({self.watchdog.dht_deadline}) must be at least two heartbeats "
+                f"({2 * self.heartbeat_period}): the record is stored once a heartbeat"
             )
         if self.record_ttl is None:
             object.__setattr__(self, "record_ttl", 3 * self.heartbeat_period)

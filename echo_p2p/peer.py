@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--record-ttl", type=float, metavar="S", default=None, help="lifetime of an announcement"
     )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None)
+    parser.add_argument(
+        "--restart-on-stall",
+        action="store_true",
+        default=None,
+        help="when the watchdog finds a stall, exit 75 (after a thread dump) so that a supervisor restarts "
+        "the peer (systemd Restart=on-failure; docs/reliability.md); default: keep running, announce it",
+    )
+    parser.add_argument(
+        "--stall-deadline",
+        type=float,
+        metavar="S",
+        default=None,
+        help="every watchdog deadline: record stored, heartbeat, training steps, sampling, versions "
+        "applied (default 120 s for the DHT, 600 s for the work)",
+    )
     run = parser.add_argument_group("run (every peer of a run must agree)")
     run.add_argument("--model", choices=["tiny", "smollm2"], default=None, help="built-in model preset")
     run.add_argument("--model-path", metavar="DIR", default=None, help="a local model directory instead")
@@ -166,6 +181,9 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "heartbeat_period": args.heartbeat_period,
         "record_ttl": args.record_ttl,
         "log_level": args.log_level,
+        "watchdog.restart_on_stall": args.restart_on_stall,
+        "watchdog.dht_deadline": args.stall_deadline,
+        "watchdog.work_deadline": args.stall_deadline,
         "run.task": args.task,
         "run.group_size": args.group_size,
         "run.temperature": args.temperature,

@@ -42,7 +42,7 @@ def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
     )
     lines = [f"run {run_id}: {len(rows)} peer(s)", header]
     for r in rows:
-        state = "IMPOSTOR" if r.get("trusted") is False else r["state"]
+        state = "IMPOSTOR" if r.get("trusted") is False else "STALLED" if r.get("stalled") else r["state"]
         lines.append(
             f"{'…' + r['peer_id'][-19:]:<20} {r['role']:<10} {state:<8} {fmt(r['mode']):<5} "
             f"{fmt(r.get('reachability')):<11} "

@@ -35,6 +35,11 @@ ALERTS: dict[str, tuple[str, str]] = {
         "info",
         "most inference peers wait for the trainers' grants most of the time: the run needs no more samplers",
     ),
+    "peer_stalled": (
+        "warning",
+        "peers announce that their watchdog found a stall (a progress signal past its deadline: its log "
+        "has the thread dump)",
+    ),
 }
 #: Share of its time an inference peer waits for grants above which it counts as waiting (samplers_waiting).
 WAITING_SHARE = 0.5
@@ -178,6 +183,19 @@ def _samplers_waiting(status: dict, config: MonitorConfig, timers: Timers | None
     )
 
 
+def _peer_stalled(status: dict, config: MonitorConfig, timers: Timers | None) -> dict | None:
+    stalled = [p for p in status.get("peers") or [] if p.get("stalled") and p.get("state") == "running"]
+    if not stalled:
+        return None
+    signals = sorted({s for p in stalled for s in p["stalled"]})
+    return alert(
+        "peer_stalled",
+        f"{len(stalled)} peer(s) report a stall ({', '.join(signals[:8])}): no progress within the "
+        "watchdog's deadline; the peer's log has what each thread waits on",
+        [p["peer_id"] for p in stalled],
+    )
+
+
 RULES: tuple[Callable[[dict, MonitorConfig, Timers | None], dict | None], ...] = (
     _dht_unreachable,
     _no_trainer,
@@ -188,6 +206,7 @@ RULES: tuple[Callable[[dict, MonitorConfig, Timers | None], dict | None], ...] =
     _banned_peers,
     _buffer_empty,
     _samplers_waiting,
+    _peer_stalled,
 )
 
 

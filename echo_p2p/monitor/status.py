@@ -110,6 +110,7 @@ def peer_rows(entries, now: float, trust=None, newest: int | None = None) -> lis
                 "peer_id": text(r.peer_id),
                 "role": r.role,
                 "state": r.state,
+                "stalled": [text(s, 32) for s in r.stalled[:8]] if r.stalled else None,
                 "mode": r.mode,
                 "policy_version": version,
                 "lag": max(0, newest - version) if newest is not None and version is not None else None,

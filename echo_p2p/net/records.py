@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic.v1 as pydantic_v1
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from echo_p2p import PROTOCOL_VERSION, __version__
 from echo_p2p.net.keys import SwarmKeys
@@ -27,6 +27,9 @@ TRAINER_ROLES = frozenset({"trainer"})
 NON_TRAINER_ROLES = frozenset({"inference", "bootstrap"})
 MAX_MADDRS = 16
 MAX_STR = 256
+#: ``PeerRecord.stalled``: at most this many signal names of at most this many characters (``roles.watchdog``)
+MAX_STALLED_SIGNALS = 8
+MAX_SIGNAL_CHARS = 32
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 #: Longest lifetime (s) of a directory record. Honest peers re-announce well within it (every ``record_ttl``
 #: of the configs is at most this); a record stored to expire later is refused by every echo_p2p DHT node
@@ -106,6 +109,9 @@ def _short(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (+{len(errors) - 3} more)" if len(errors) > 3 else "")
 
 
+SignalName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SIGNAL_CHARS)]
+
+
 class PeerRecord(WireRecord):
     """What a peer announces about itself (subkey: its own public key): under ``SwarmKeys.trainers`` for a
     trainer, ``SwarmKeys.peers`` for the other roles."""
@@ -120,6 +126,11 @@ class PeerRecord(WireRecord):
     updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
     state: Literal["starting", "running", "leaving"] = Field(
         default="running", description="Life-cycle state"
+    )
+    stalled: list[SignalName] | None = Field(
+        default=None,
+        max_length=MAX_STALLED_SIGNALS,
+        description="Progress signals of its watchdog overdue now (e.g. announce, training); None: none",
     )
     # role figures (inference): filled by the inference peer
     tokens_per_second: float | None = Field(default=None, ge=0, description="Sampling throughput (inference)")

@@ -1,7 +1,10 @@
 """What every peer of a run does whatever its role: join, announce on a heartbeat, write metrics, leave.
 
 Owned here: the peer life cycle (``start`` -> ``run`` -> ``shutdown``), the announcer thread that
-re-announces the peer's record before it expires, the status line and the metrics line. A role subclass
+re-announces the peer's record before it expires, the status line and the metrics line, and the peer's
+``watchdog`` (``roles.watchdog``): the base watches ``announce`` (the record stored) and ``heartbeat`` (the
+heartbeat's DHT calls coming back), roles add their own signals; a stall is announced (``stalled``) and,
+with ``restart_on_stall``, ends the process with ``EXIT_STALLED``. A role subclass
 adds its record fields (``role_fields``), its figures (``figures``) and its main loop (``work``), which
 runs in the calling thread until ``stop_event`` is set. ``shutdown`` is idempotent and leaves no child
 process behind. Callers: ``echo_p2p.peer`` (the CLI) and tests.
@@ -17,6 +20,7 @@ import time
 from typing import Any
 
 from echo_p2p import PROTOCOL_VERSION, __version__
+from echo_p2p.cli import EXIT_STALLED
 from echo_p2p.config import PeerConfig
 from echo_p2p.logs import status_prefix
 from echo_p2p.metrics import MetricsWriter
@@ -27,6 +31,7 @@ from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
 from echo_p2p.net.peer_cache import PeerCache
 from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import PeerRecord, SignedRunRecord
+from echo_p2p.roles.watchdog import Watchdog, exit_stalled
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +72,10 @@ class BasePeer:
         self._announced = False  # a record of this peer was stored once
         self._shutdown_done = False
         self._lock = threading.Lock()
+        #: progress signals with deadlines (docs/reliability.md); roles add theirs in their __init__
+        self.watchdog = Watchdog(config.watchdog, prefix=self.prefix, on_stall=self._on_stall)
+        self.watchdog.watch("announce", config.watchdog.dht_deadline)  # this peer's record stored
+        self.watchdog.watch("heartbeat", config.watchdog.dht_deadline)  # the heartbeat's DHT calls returned
 
     @property
     def peer_id(self) -> str:
@@ -123,6 +132,7 @@ class BasePeer:
             time.monotonic() - t0,
             ", ".join(self.maddrs) or "(client mode)",
         )
+        self.watchdog.start()  # deadlines count from here: joining and loading the model are behind
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
         self._chores = threading.Thread(target=self._chores_loop, name="heartbeat", daemon=True)
@@ -144,12 +154,13 @@ class BasePeer:
                 return
             self._shutdown_done = True
         self.stop_event.set()
+        self.watchdog.stop()  # leaving takes time and is no stall
         try:
             self.on_shutdown()
         except Exception:
             logger.exception("%s error while stopping the role", self.prefix())
         try:  # the run's totals, once nothing counts any more
-            figures = {"reachability": self.reachability, **self.figures()}
+            figures = {"reachability": self.reachability, **self.figures(), **self.watchdog.figures()}
             self.metrics.write(self.policy_version, final=True, **figures)
         except Exception as exc:
             logger.debug("could not write the final metrics: %s", exc)
@@ -280,6 +291,7 @@ class BasePeer:
             started_at=self.started_at,
             updated_at=time.time(),
             state=state,
+            stalled=self.watchdog.stalled or None,
             **self.role_fields(),
         )
 
@@ -289,6 +301,8 @@ class BasePeer:
         assert self.directory is not None, "start() first"
         ok = self.directory.announce(self.record(state), ttl or self.config.record_ttl, timeout)
         self._announced = self._announced or ok
+        if ok:
+            self.watchdog.beat("announce")
         if not ok:
             self.announcements_failed += 1
             logger.warning("%s announcement was not stored by any DHT node", self.prefix())
@@ -322,6 +336,23 @@ class BasePeer:
                     self._remember_peers()
             except (Exception, GeneratorExit, asyncio.CancelledError):
                 logger.exception("%s heartbeat failed; will retry", self.prefix())
+            self.watchdog.beat("heartbeat")  # its DHT calls came back (each has a deadline), failed or not
+
+    def _on_stall(self, names: list[str]) -> None:
+        """The watchdog found ``names`` stalled (logged with a thread dump; the next announcement carries
+        them). With ``restart_on_stall``: stop, and exit ``EXIT_STALLED`` within ``exit_grace`` s."""
+        if not self.config.watchdog.restart_on_stall:
+            return
+        grace = self.config.watchdog.exit_grace
+        logger.error(
+            "%s leaving and exiting %d within %.0f s so that its supervisor restarts it (restart_on_stall)",
+            self.prefix(),
+            EXIT_STALLED,
+            grace,
+        )
+        self.exit_code = EXIT_STALLED
+        self.stop_event.set()
+        exit_stalled(grace, self.prefix())
 
     def _remember_peers(self) -> None:
         """Keep the addresses of the bootstraps and of peers met that others can dial directly, next to
@@ -354,6 +385,7 @@ class BasePeer:
             table = connected = -1
         figures = {"dht_neighbours": table, "connections": connected, "reachability": self.reachability}
         figures.update(self.figures())
+        figures.update(self.watchdog.figures())
         self.metrics.write(self.policy_version, **figures)
         logger.info(
             "%s %s",

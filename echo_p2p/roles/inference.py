@@ -53,6 +53,10 @@ class InferencePeer(BasePeer):
         self.waiting_for_grants: float | None = None  # recent share of time waiting for a grant (announced)
         # (monotonic, pusher.seconds_paced) at the last look
         self._paced_mark: tuple[float, float] | None = None
+        self._newest_known: int | None = None  # newest version a trainer's ack reported (async)
+        deadline = config.watchdog.work_deadline
+        self.watchdog.watch("sampling", deadline, due=self._sampling_due)
+        self.watchdog.watch("version", deadline, due=self._version_due)
 
     # ---- setup ------------------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -135,6 +139,7 @@ class InferencePeer(BasePeer):
                 self.engine.load_weights(tensors)
             first = self.policy_version is None
             self.policy_version = weights.version
+        self.watchdog.beat("version")
         with self._new_version:
             self._new_version.notify_all()
         # the fetcher logs the versions applied (a few lines a minute); the first one is a milestone
@@ -222,6 +227,7 @@ class InferencePeer(BasePeer):
         if not self._wait_first_version():
             return
         while not self.stop_event.is_set():
+            self.watchdog.beat("sampling")  # the loop came round (each of its waits has a deadline)
             self._wait_if_stale()
             # pacing: sample only what some trainer asked this peer for (train/pacing.py)
             count = self.pusher.reserve(
@@ -241,8 +247,26 @@ class InferencePeer(BasePeer):
     def _on_trainer_version(self, version: int) -> None:
         """An ack reported the trainer's version: if it is newer than ours, fetch now rather than at the
         next poll (the record may lag the ack by one publish; the follower then just reads it again)."""
+        if self._newest_known is None or version > self._newest_known:
+            self._newest_known = version
         if self.policy_version is None or version > self.policy_version:
             self.fetcher.nudge()
+
+    def _sampling_due(self) -> bool:
+        """``sampling`` (async): the loop must come round while this peer holds a policy and its outbox has
+        room (a full outbox waits for the trainers: no stall of this peer)."""
+        return (
+            self.pusher is not None
+            and self.policy_version is not None
+            and not self.stop_event.is_set()
+            and not self.pusher.outbox_full()
+        )
+
+    def _version_due(self) -> bool:
+        """``version`` (async): a trainer's ack reported a version newer than the one held: it must be
+        fetched and applied within the deadline (a fetch that never ends is a stall)."""
+        newest, held = self._newest_known, self.policy_version
+        return newest is not None and held is not None and newest > held
 
     def _wait_if_stale(self) -> None:
         """Async: while the trainers refuse groups of the version held as too stale, or would by the time

@@ -72,6 +72,8 @@ class TrainerPeer(BasePeer):
         self.checkpoints = None
         self._policy_files: dict[str, bytes] | None = None  # attached to every checkpoint (export)
         self._stopping = threading.Event()
+        self._in_step = False  # a batch is in hand: the step must end within the watchdog's deadline
+        self.watchdog.watch("training", config.watchdog.work_deadline, due=self._training_due)
 
     # ---- setup ------------------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -274,15 +276,30 @@ class TrainerPeer(BasePeer):
                 self.free_buffer_room = self.buffer.free_room()
             self.idle_seconds += time.monotonic() - t0
             if batch is None:
+                self.watchdog.beat("training")  # the loop came round: it looked and found no batch
                 idle_since = t0 if idle_since is None else idle_since
                 self.catch_up.maybe(idle_since)
                 self._maybe_publish()  # a version skipped while a publish was in flight goes out now
                 self._maybe_evaluate()
                 continue
             idle_since = None
-            self._train(batch)
+            self._in_step = True
+            try:
+                self._train(batch)
+            finally:
+                self._in_step = False
+            self.watchdog.beat("training")
             self._maybe_evaluate()
         self.stop_event.set()
+
+    def _training_due(self) -> bool:
+        """The watchdog's ``training`` signal is due while this trainer holds a batch (in a step) or its
+        buffer holds one (async): a loop turn that takes longer than the deadline then is a stall.
+        Idle for want of rollouts is no stall."""
+        if self._in_step:
+            return True
+        buffer = self.buffer
+        return buffer is not None and buffer.peek_size() >= self.section.prompts_per_step
 
     def _maybe_evaluate(self) -> None:
         """The publisher scores the version it holds on the held-out prompts when one is due (between two

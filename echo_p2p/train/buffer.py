@@ -278,6 +278,11 @@ class ReplayBuffer:
         with self._cond:
             return len(self._heap)
 
+    def peek_size(self) -> int:
+        """``len(self)`` without the lock: a moment's view for a watchdog, which must never wait on the
+        lock of what it watches (``roles.watchdog``)."""
+        return len(self._heap)
+
     def drop_sender(self, sender: str) -> int:
         """Remove every group ``sender`` sampled (a banned sender); returns how many."""
         with self._cond:

@@ -6,6 +6,7 @@ import threading
 import types
 
 from echo_p2p.roles.base import BasePeer
+from echo_p2p.roles.watchdog import Watchdog
 
 
 def test_announcer_keeps_announcing_after_base_exceptions_from_the_dht():
@@ -17,6 +18,7 @@ def test_announcer_keeps_announcing_after_base_exceptions_from_the_dht():
     peer.policy_version = None
     peer.identity = types.SimpleNamespace(peer_id="QmTest")
     peer.role = "inference"
+    peer.watchdog = Watchdog()
     failures = [GeneratorExit(), RuntimeError("dht down"), __import__("asyncio").CancelledError()]
     calls = []
 
@@ -46,6 +48,7 @@ def test_the_record_is_announced_every_heartbeat_while_other_heartbeat_work_hang
     peer._signed_run_record = None
     peer.identity = types.SimpleNamespace(peer_id="QmTest")
     peer.role = "trainer"
+    peer.watchdog = Watchdog()
     stuck = threading.Event()
     announced = []
     peer.announce = lambda *_a, **_k: announced.append(1) or True

@@ -29,6 +29,7 @@ def peer(
     p._new_version = threading.Condition()
     p.stale_waits = 0
     p.weights_wait_seconds = 0.0
+    p._newest_known = None
     return p
 
 

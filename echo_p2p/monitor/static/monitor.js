@@ -100,7 +100,10 @@
       else if (p.role === "inference" && typeof p.lag === "number" && p.lag > bound) tr.className = "lagging";
       cell(tr, shortId(p.peer_id), "peer", fmt(p.peer_id));
       cell(tr, fmt(p.role), "role");
-      cell(tr, impostor ? "IMPOSTOR" : fmt(p.state), impostor ? "state impostor" : "state");
+      const stalled = !impostor && Array.isArray(p.stalled) && p.stalled.length > 0;
+      if (impostor) cell(tr, "IMPOSTOR", "state impostor");
+      else if (stalled) cell(tr, "STALLED", "state stalled", p.stalled.map(String).join(", "));
+      else cell(tr, fmt(p.state), "state");
       cell(tr, fmt(p.policy_version), "num version");
       cell(tr, fmt(p.lag), "num lag");
       cell(tr, fmt(p.reachability), "reach", (Array.isArray(p.maddrs) ? p.maddrs : []).join("\n"));

@@ -260,6 +260,11 @@ class RolloutPusher:
         with self._cond:
             return self._held()
 
+    def outbox_full(self) -> bool:
+        """Whether ``submit`` would wait for room now, read without the lock (for a watchdog, which must
+        never wait on the lock of what it watches: ``roles.watchdog``)."""
+        return self._held() >= self.config.outbox_groups
+
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {
