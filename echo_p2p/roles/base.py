@@ -27,7 +27,7 @@ from echo_p2p.metrics import MetricsWriter
 from echo_p2p.net.directory import SwarmDirectory, find_run_record
 from echo_p2p.net.identity import Identity, load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
-from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
+from echo_p2p.net.node import neighbour_counts, rejoin_dht, start_dht, stop_dht
 from echo_p2p.net.peer_cache import PeerCache
 from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import PeerRecord, SignedRunRecord
@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: Deadline (s) of the last announcement a leaving peer makes. Its record keeps the normal lifetime: the DHT
 #: replaces a record only with one that expires later, so a shorter-lived "leaving" record would be ignored.
 LEAVING_TIMEOUT = 2.0
+#: Fewest seconds between two attempts to refill an empty DHT routing table (``_keep_dht_neighbours``).
+REJOIN_EVERY = 5.0
 
 
 class BasePeer:
@@ -76,6 +78,11 @@ class BasePeer:
         self.watchdog = Watchdog(config.watchdog, prefix=self.prefix, on_stall=self._on_stall)
         self.watchdog.watch("announce", config.watchdog.dht_deadline)  # this peer's record stored
         self.watchdog.watch("heartbeat", config.watchdog.dht_deadline)  # the heartbeat's DHT calls returned
+        self.watchdog.watch("dht", config.watchdog.dht_deadline)  # a DHT routing table that is not empty
+        self.dht_rejoins = (
+            0  # times the DHT lost every neighbour and pinged its way back (net.node.rejoin_dht)
+        )
+        self._next_rejoin = 0.0  # monotonic time before which no rejoin is tried again
 
     @property
     def peer_id(self) -> str:
@@ -327,6 +334,7 @@ class BasePeer:
         next_metrics = time.monotonic()
         while not self.stop_event.wait(self.config.heartbeat_period):
             try:
+                self._keep_dht_neighbours()
                 self._keep_run_record()
                 self.refresh_trust()
                 self.on_heartbeat()
@@ -337,6 +345,36 @@ class BasePeer:
             except (Exception, GeneratorExit, asyncio.CancelledError):
                 logger.exception("%s heartbeat failed; will retry", self.prefix())
             self.watchdog.beat("heartbeat")  # its DHT calls came back (each has a deadline), failed or not
+
+    def _keep_dht_neighbours(self) -> None:
+        """A DHT node whose routing table emptied (cut off long enough for every neighbour to be dropped)
+        stores records only on itself and never reads anyone's: ping the run's bootstraps, the peers
+        remembered and the peers still connected until some answer (``net.node.rejoin_dht``), at most
+        every ``REJOIN_EVERY`` s. The watchdog's ``dht`` signal beats while the table holds someone."""
+        if self.dht is None:
+            return
+        table, _ = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
+        if table > 0:
+            self.watchdog.beat("dht")
+            return
+        now = time.monotonic()
+        if now < self._next_rejoin:
+            return
+        self._next_rejoin = now + REJOIN_EVERY
+        maddrs = list(
+            dict.fromkeys([*self.config.network.initial_peers, *self._remembered, *self.peer_cache.load()])
+        )
+        answered, table = rejoin_dht(self.dht, maddrs, timeout=self.config.network.request_timeout)
+        self.dht_rejoins += 1
+        log = logger.info if table else logger.warning
+        log(
+            "%s the DHT had no neighbour left (cut off?): %d of the peers pinged answered, %d in its table now",
+            self.prefix(),
+            answered,
+            table,
+        )
+        if table:
+            self.watchdog.beat("dht")
 
     def _on_stall(self, names: list[str]) -> None:
         """The watchdog found ``names`` stalled (logged with a thread dump; the next announcement carries
@@ -383,7 +421,12 @@ class BasePeer:
             table, connected = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
         except (Exception, GeneratorExit, asyncio.CancelledError):
             table = connected = -1
-        figures = {"dht_neighbours": table, "connections": connected, "reachability": self.reachability}
+        figures = {
+            "dht_neighbours": table,
+            "connections": connected,
+            "reachability": self.reachability,
+            "dht_rejoins": self.dht_rejoins,
+        }
         figures.update(self.figures())
         figures.update(self.watchdog.figures())
         self.metrics.write(self.policy_version, **figures)

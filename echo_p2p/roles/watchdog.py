@@ -49,11 +49,11 @@ class WatchdogConfig(BaseModel):
 
     enabled: bool = Field(default=True, description="Watch the peer's progress signals for stalls")
     dht_deadline: float = Field(
-        default=120.0,
+        default=45.0,
         gt=0,
         le=3600,
         description="Seconds within which the peer's record must be stored again and its heartbeat's DHT "
-        "calls must come back (at least two heartbeats)",
+        "calls must come back (at least two heartbeats); 45 s: a frozen DHT is reported within a minute",
     )
     work_deadline: float = Field(
         default=600.0,

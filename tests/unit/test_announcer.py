@@ -68,3 +68,40 @@ def test_the_record_is_announced_every_heartbeat_while_other_heartbeat_work_hang
         stuck.set()
         for t in threads:
             t.join(5)
+
+
+def test_an_empty_dht_routing_table_is_refilled_at_most_every_few_seconds_and_beats_the_dht_signal(
+    monkeypatch,
+):
+    import echo_p2p.roles.base as base
+
+    peer = BasePeer.__new__(BasePeer)
+    peer.dht = object()
+    peer.config = types.SimpleNamespace(
+        network=types.SimpleNamespace(request_timeout=1.0, initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"])
+    )
+    peer._remembered = ["/ip4/127.0.0.1/tcp/2/p2p/QmMet"]
+    peer.peer_cache = types.SimpleNamespace(load=lambda: ["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"])
+    peer.identity = types.SimpleNamespace(peer_id="QmTest")
+    peer.role = "trainer"
+    peer.policy_version = None
+    peer.dht_rejoins, peer._next_rejoin = 0, 0.0
+    beats = []
+    peer.watchdog = types.SimpleNamespace(beat=beats.append)
+    table = [0]
+    pinged = []
+    monkeypatch.setattr(base, "neighbour_counts", lambda dht, timeout: (table[0], 3))
+
+    def rejoin(dht, maddrs, timeout):
+        pinged.append(list(maddrs))
+        return 1, 2
+
+    monkeypatch.setattr(base, "rejoin_dht", rejoin)
+    peer._keep_dht_neighbours()
+    assert pinged == [["/ip4/127.0.0.1/tcp/1/p2p/QmBoot", "/ip4/127.0.0.1/tcp/2/p2p/QmMet"]]  # each once
+    assert peer.dht_rejoins == 1 and beats == ["dht"]
+    peer._keep_dht_neighbours()  # still empty a heartbeat later: not again before REJOIN_EVERY
+    assert len(pinged) == 1 and beats == ["dht"]
+    table[0] = 4
+    peer._keep_dht_neighbours()  # neighbours: no rejoin, the signal beats
+    assert len(pinged) == 1 and beats == ["dht", "dht"]
