@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, then unit and integration tests (real processes on 127.0.0.1 only).
-# Sets up .venv on first use. Extra arguments go to pytest.
+# Sets up .venv on first use. Extra arguments go to pytest (which then runs what they name, in one process).
 # The monitor's browser tests need Chromium: run as root, this installs Debian's `chromium` package when it is
 # missing (ECHO_NO_BROWSER_INSTALL=1 turns that off); without it those tests skip with the install line.
 # The NAT tests (tests/netlab.py: network namespaces, nftables masquerade) need root and nftables: installed
@@ -25,4 +25,13 @@ fi
 cd "$ROOT"
 "$ROOT/.venv/bin/ruff" check echo_p2p tests benchmarks
 "$ROOT/.venv/bin/ruff" format --check echo_p2p tests benchmarks
-exec "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -q --durations=10 "$@"
+PYTEST=("$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -q --durations=10)
+if [ "$#" -gt 0 ]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+# the whole suite: the unit tests (CPU-bound, one process each) on both cores at once, then the integration
+# tests one at a time (each runs a swarm of processes that needs the machine to itself)
+status=0
+"${PYTEST[@]}" -n 2 tests/unit || status=$?
+"${PYTEST[@]}" tests/integration || status=$?
+exit "$status"
