@@ -90,7 +90,10 @@ def elect_publisher(peer_id: str, records, trust, version: int | None = None) ->
     if peer_id not in held:  # not announced yet: what we hold. Otherwise every trainer compares the same
         held[peer_id] = version or 0  # records (a heartbeat old), so they all make the same choice
     newest = max(held.values())
-    eligible = [p for p, v in held.items() if v >= newest - PUBLISHER_SLACK]
+    # version 0 is the initial weights: a trainer still there while another moved on (one that just joined
+    # a young run, within the slack) has none of the run's updates; elected, it published its initial
+    # weights and the trainer that held the run stood by until it caught up (a gap in the run's versions)
+    eligible = [p for p, v in held.items() if v >= newest - PUBLISHER_SLACK and (v > 0 or newest == 0)]
     return peer_id in eligible and min(eligible) == peer_id
 
 

@@ -158,6 +158,29 @@ def test_a_trainer_behind_the_newest_leaves_publishing_to_one_that_holds_it():
     assert elect_publisher(late, records[:1], trust, version=0) is False  # not announced yet: its own version
 
 
+def test_a_trainer_still_at_the_initial_weights_never_takes_publishing_from_one_that_moved_on():
+    """A trainer that joins a young run (within PUBLISHER_SLACK versions of it) at version 0 has none of the
+    run's updates: elected for its smaller id, it published its initial weights and the trainer that held
+    the run stood by until the newcomer had downloaded the state (seen in a late-trainer run)."""
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord
+    from echo_p2p.roles.trainer_weights import PUBLISHER_SLACK, elect_publisher
+    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+
+    late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
+    young = PUBLISHER_SLACK // 2
+    records = [
+        PeerRecord(peer_id=early, role="trainer", policy_version=young),
+        PeerRecord(peer_id=late, role="trainer", policy_version=0),
+    ]
+    assert not elect_publisher(late, records, trust, version=0)
+    assert elect_publisher(early, records, trust, version=young)
+    # a run where nobody moved yet: the smallest id publishes version 0, as before
+    records[0] = PeerRecord(peer_id=early, role="trainer", policy_version=0)
+    assert elect_publisher(late, records, trust, version=0) and not elect_publisher(early, records, trust, 0)
+
+
 def test_a_trainer_behind_a_version_nobody_alive_holds_goes_on_after_it():
     """The publisher died while the other trainer was behind it: nobody can give that state any more."""
     from echo_p2p.net.identity import load_or_create_identity
