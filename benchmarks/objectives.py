@@ -309,7 +309,7 @@ def main() -> None:
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(),
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},  # not this machine's path
     }
     out.write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
     print(f"\nwrote {out}")

@@ -1142,8 +1142,8 @@ def main() -> None:
     out = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": vars(args),
-        "workdir": str(workdir),
+        # the settings that shaped the run; where its files went (this machine's paths) stays out
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
         **report,
         "resource_samples": soak.samples,
     }

@@ -198,7 +198,7 @@ def main() -> None:
     report = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": vars(args),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},  # not this machine's path
         "arms": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
