@@ -353,7 +353,11 @@ class BasePeer:
         every ``REJOIN_EVERY`` s. The watchdog's ``dht`` signal beats while the table holds someone."""
         if self.dht is None:
             return
-        table, _ = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
+        try:
+            table, _ = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
+        except Exception as exc:  # a DHT that does not answer (frozen, dead): the 'dht' signal stays unbeaten
+            logger.debug("%s counting the DHT's neighbours failed: %r", self.prefix(), exc)
+            return  # and the rest of the heartbeat (metrics included) goes on
         if table > 0:
             self.watchdog.beat("dht")
             return
@@ -364,7 +368,13 @@ class BasePeer:
         maddrs = list(
             dict.fromkeys([*self.config.network.initial_peers, *self._remembered, *self.peer_cache.load()])
         )
-        answered, table = rejoin_dht(self.dht, maddrs, timeout=self.config.network.request_timeout)
+        try:
+            answered, table = rejoin_dht(self.dht, maddrs, timeout=self.config.network.request_timeout)
+        except Exception as exc:
+            logger.warning(
+                "%s the DHT has no neighbour left and did not answer a rejoin: %r", self.prefix(), exc
+            )
+            return
         self.dht_rejoins += 1
         log = logger.info if table else logger.warning
         log(

@@ -105,3 +105,25 @@ def test_an_empty_dht_routing_table_is_refilled_at_most_every_few_seconds_and_be
     table[0] = 4
     peer._keep_dht_neighbours()  # neighbours: no rejoin, the signal beats
     assert len(pinged) == 1 and beats == ["dht", "dht"]
+
+
+def test_a_dht_that_does_not_answer_leaves_the_dht_signal_unbeaten_and_the_heartbeat_going(monkeypatch):
+    """A frozen DHT child: counting its neighbours times out. That must not end the heartbeat's round (its
+    metrics line tells the stall), and the watchdog's 'dht' signal must not beat."""
+    import echo_p2p.roles.base as base
+
+    peer = BasePeer.__new__(BasePeer)
+    peer.dht = object()
+    peer.config = types.SimpleNamespace(network=types.SimpleNamespace(request_timeout=0.1, initial_peers=[]))
+    peer.identity = types.SimpleNamespace(peer_id="QmTest")
+    peer.role = "inference"
+    peer.policy_version = None
+    beats = []
+    peer.watchdog = types.SimpleNamespace(beat=beats.append)
+
+    def frozen(dht, timeout):
+        raise TimeoutError("no answer")
+
+    monkeypatch.setattr(base, "neighbour_counts", frozen)
+    peer._keep_dht_neighbours()  # returns, raises nothing
+    assert beats == []
