@@ -59,26 +59,15 @@ def test_a_frozen_dht_child_is_a_stall_exit_75_with_restart_on_stall_else_announ
     trusted.write_text(trainer_key_line(load_or_create_identity(str(tmp_path / "t.id"))) + "\n")
     common = ("--heartbeat-period", "0.5", "--threads", "1", "--trusted-trainers", str(trusted))
     metrics_a, metrics_b = tmp_path / "metrics-a", tmp_path / "metrics-b"
-    restarting = procs.peer(
-        "inference",
-        "wd",
-        maddr,
-        *common,
-        "--config",
-        str(config_file(tmp_path, "a", True)),
-        "--metrics-dir",
-        str(metrics_a),
-    )
-    staying = procs.peer(
-        "inference",
-        "wd",
-        maddr,
-        *common,
-        "--config",
-        str(config_file(tmp_path, "b", False)),
-        "--metrics-dir",
-        str(metrics_b),
-    )
+
+    def inference_peer(name: str, restart: bool, metrics):
+        config = str(config_file(tmp_path, name, restart))
+        return procs.peer(
+            "inference", "wd", maddr, *common, "--config", config, "--metrics-dir", str(metrics)
+        )
+
+    restarting = inference_peer("a", True, metrics_a)
+    staying = inference_peer("b", False, metrics_b)
     frozen: list[psutil.Process] = []
     try:
         for p in (restarting, staying):
