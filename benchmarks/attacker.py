@@ -97,10 +97,10 @@ class Attacker:
         self.rng = random.Random(args.seed)
 
     def run(self) -> dict:
-        from echo_p2p.config import NetworkConfig
         from echo_p2p.net.directory import SwarmDirectory
         from echo_p2p.net.identity import load_or_create_identity
         from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.net.network_config import NetworkConfig
         from echo_p2p.net.node import start_dht, stop_dht
 
         attack = self.args.attack

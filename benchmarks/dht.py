@@ -99,10 +99,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def dht_latency(maddr: str, calls: int) -> dict[str, float]:
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.net.records import PeerRecord
 

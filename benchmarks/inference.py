@@ -51,10 +51,11 @@ from typing import Any
 
 import torch
 
-from echo_p2p.config import InferenceSection, NetworkConfig, PeerConfig, RunSettings, TrainerSection
+from echo_p2p.config import InferenceSection, PeerConfig, RunSettings, TrainerSection
 from echo_p2p.ml.engine import TransformersEngine, completion_logprobs
 from echo_p2p.ml.models import ModelNotFoundError, ModelSpec, load_policy, quantize_linear_layers_
 from echo_p2p.net.identity import load_or_create_identity
+from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.roles.inference import InferencePeer
 from echo_p2p.tasks import build_task
 from echo_p2p.train.batching import split_micro_batches

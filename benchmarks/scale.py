@@ -105,9 +105,10 @@ def record_main(argv: list[str]) -> None:
     import msgpack
     import torch
 
-    from echo_p2p.config import InferenceSection, NetworkConfig, PeerConfig
+    from echo_p2p.config import InferenceSection, PeerConfig
     from echo_p2p.ml.engine import TransformersEngine
     from echo_p2p.ml.models import load_policy
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.roles.inference import InferencePeer
     from echo_p2p.tasks import build_task
 
@@ -148,8 +149,9 @@ def replay_main(argv: list[str]) -> None:
     import msgpack
 
     from echo_p2p.cli import run_peer
-    from echo_p2p.config import InferenceSection, NetworkConfig, PeerConfig
+    from echo_p2p.config import InferenceSection, PeerConfig
     from echo_p2p.logs import setup_logging
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.records import ProviderRecord
     from echo_p2p.roles.base import BasePeer
     from echo_p2p.rollout import RolloutGroup
@@ -438,10 +440,10 @@ class Probe:
     """A DHT node of its own that times directory reads while a window runs."""
 
     def __init__(self, maddr: str) -> None:
-        from echo_p2p.config import NetworkConfig
         from echo_p2p.net.directory import SwarmDirectory
         from echo_p2p.net.identity import load_or_create_identity
         from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.net.network_config import NetworkConfig
         from echo_p2p.net.node import start_dht
 
         self.keys = SwarmKeys(RUN_ID)

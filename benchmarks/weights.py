@@ -91,9 +91,9 @@ def worker_main(role: str, host: str, initial: list[str], args: argparse.Namespa
 
     import torch
 
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")

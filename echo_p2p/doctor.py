@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", required=True, metavar="RUN:OWNER@MADDRS", help="the run's join address")
     add_network_flags(parser, host_default_help="default /ip4/0.0.0.0/tcp/0")
     args = parser.parse_args(argv)
-    from echo_p2p.config import ConfigError, NetworkConfig, build_config
+    from echo_p2p.config import ConfigError, build_config
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.run_record import JoinAddress
 
     try:

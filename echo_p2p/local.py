@@ -260,11 +260,11 @@ def watch(swarm: LocalSwarm) -> int:
     config = swarm.config
     if config.colocated:
         return _watch_loop(swarm, None)
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.monitor.status import peer_rows
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.swarm import format_table
 

@@ -22,7 +22,7 @@ from echo_p2p.cli import add_network_flags, network_flags
 @dataclass
 class Target:
     run_id: str
-    network: Any  # config.NetworkConfig
+    network: Any  # net.network_config.NetworkConfig
     trust: Any  # transport.trust.RunTrust
 
 
@@ -45,8 +45,9 @@ def add_target_flags(parser: argparse.ArgumentParser) -> None:
 
 def resolve_target(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Target:
     """The run, the network settings of a client-mode reader and its ``RunTrust``, from parsed flags."""
-    from echo_p2p.config import ConfigError, NetworkConfig, build_config
+    from echo_p2p.config import ConfigError, build_config
     from echo_p2p.net.keys import validate_run_id
+    from echo_p2p.net.network_config import NetworkConfig
 
     environ = os.environ if environ is None else environ
     run_id = args.run_id or environ.get("ECHO_RUN_ID")

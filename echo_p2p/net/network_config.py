@@ -1,7 +1,8 @@
 """A node's network settings (``NetworkConfig``) and the multiaddr syntax check every config uses.
 
-Owned here so that the networking layer's settings sit with it; ``echo_p2p.config`` re-exports
-``NetworkConfig`` as part of a peer's and a bootstrap's configuration. No hivemind import: config parsing
+Owned here so that the networking layer's settings sit with it (``net.node`` reads them without importing
+``echo_p2p.config``); ``echo_p2p.config`` uses ``NetworkConfig`` as part of a peer's and a bootstrap's
+configuration, and everything imports it from here. No hivemind import: config parsing
 must stay instant.
 """
 

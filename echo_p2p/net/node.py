@@ -19,9 +19,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from echo_p2p.config import NetworkConfig
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.net.network_config import NetworkConfig
 
 logger = logging.getLogger(__name__)
 

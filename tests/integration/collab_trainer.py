@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.ml.engine import SamplingParams, TransformersEngine
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.tasks import build_task

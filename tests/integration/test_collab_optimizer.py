@@ -144,10 +144,10 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
     checkpoint resumes at the saved version and goes on from there."""
     import random
 
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.train.buffer import ScoredGroup
@@ -236,10 +236,10 @@ def test_config_and_run_id_rules() -> None:
 
 def test_client_mode_of_the_config_reaches_every_averager() -> None:
     """hivemind 1.1.12 replaces an explicit ``client_mode`` by the DHT's; ``SyncedOptimizer`` honours it."""
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.transport.collab_optimizer import (
         CollabOptimizerConfig,

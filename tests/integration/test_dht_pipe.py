@@ -21,8 +21,8 @@ async def _length(dht, node, blob: bytes) -> int:
 
 
 def test_the_dht_child_survives_concurrent_large_commands():
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
 
     identity = load_or_create_identity(None)

@@ -24,8 +24,8 @@ async def _forget_everyone(_dht, node) -> int:
 def test_a_node_that_lost_every_neighbour_rejoins_and_its_records_reach_the_others():
     from hivemind.utils import get_dht_time
 
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import neighbour_counts, rejoin_dht, start_dht, stop_dht, visible_maddrs
 
     loopback = ["/ip4/127.0.0.1/tcp/0"]

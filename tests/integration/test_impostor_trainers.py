@@ -41,10 +41,10 @@ def identity_below(tmp_path, bound: str, name: str):
 
 
 def test_impostor_and_ghost_trainers_neither_publish_nor_receive_rollouts(procs, tmp_path):
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.net.records import MAX_RECORD_TTL, PeerRecord
 

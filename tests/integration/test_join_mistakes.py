@@ -83,7 +83,7 @@ def test_a_clock_far_off_the_bootstraps_is_refused_at_once_with_the_offset(monke
     patched before its DHT process forks): the join is refused in seconds, naming the offset and the fix."""
     import hivemind.dht.protocol
 
-    from echo_p2p.config import NetworkConfig
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import NodeStartError, start_dht, stop_dht, visible_maddrs
 
     boot_identity, peer_identity = load_or_create_identity(None), load_or_create_identity(None)

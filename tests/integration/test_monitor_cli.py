@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from echo_p2p.config import NetworkConfig
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.node import start_dht, stop_dht
 from echo_p2p.net.records import Ban, BanRecord, PeerRecord, PolicyRecord
 from tests.conftest import LOOPBACK, read_log, wait_until, write_run_record

@@ -11,10 +11,10 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from echo_p2p import PROTOCOL_VERSION
-from echo_p2p.config import NetworkConfig
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.node import start_dht, stop_dht
 from echo_p2p.net.records import PeerRecord
 

@@ -11,11 +11,11 @@ import uuid
 import pytest
 from hivemind.p2p import P2P
 
-from echo_p2p.config import NetworkConfig
 from echo_p2p.ml.tokenizer import build_char_tokenizer, encode_prompts
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
+from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
 from echo_p2p.net.records import PeerRecord
 from echo_p2p.proto import rollouts_pb2

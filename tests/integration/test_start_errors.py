@@ -52,8 +52,8 @@ def test_a_peer_started_before_its_bootstrap_joins_once_the_bootstrap_is_up(tmp_
     bootstrap may be restarting): the same node joins once the bootstrap listens."""
     import threading
 
-    from echo_p2p.config import NetworkConfig
     from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import neighbour_counts, start_dht, stop_dht
 
     port = free_port()

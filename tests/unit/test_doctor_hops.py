@@ -95,7 +95,7 @@ def test_this_machine_is_reachable_directly_or_through_a_relay_or_the_hop_says_h
 
     monkeypatch.setattr(reachability, "Reachability", lambda *a, **k: FakeReach(answers))
     monkeypatch.setattr(doctor_module, "REACH_WAIT", 1.5)
-    from echo_p2p.config import NetworkConfig
+    from echo_p2p.net.network_config import NetworkConfig
 
     join = JoinAddress.parse(ADDRESS)
     doctor = Doctor(join, NetworkConfig(initial_peers=list(join.initial_peers)))

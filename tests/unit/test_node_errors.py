@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from echo_p2p.config import NetworkConfig
+from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.node import _explain_start_error
 
 BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/QmVBs4rtbHeMREzjEUBfqKvRsHfvPFy9RFAZMr9K23gFyb"
