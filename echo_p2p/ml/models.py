@@ -48,7 +48,7 @@ TINY_ARCH: dict[str, Any] = dict(
 #: fields that the YAML file, the environment and the flags leave unset. The tiny preset learns from a
 #: random init at the trainer defaults (lr 1e-3); SmolLM2-135M-Instruct is pretrained and would be wrecked
 #: by that: it gets the usual RL fine-tuning rate of a 0.1-7B LM.
-#: SmolLM2's trainer deadlines hold on a 20 Mbit/s link between two trainers (``transport.collab_optimizer.
+#: SmolLM2's trainer deadlines hold on a 20 Mbit/s link between two trainers (``collab.optimizer.
 #: link_timeouts`` for its 134.5 M parameters, checked by a unit test): fp16 gradient rounds of 135 MB each
 #: way (54 s), a 1.6 GB state download (fp32 weights and AdamW moments, 646 s) for a trainer that joins or
 #: falls behind.

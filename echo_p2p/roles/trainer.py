@@ -79,6 +79,7 @@ class TrainerPeer(BasePeer):
     def on_start(self) -> None:
         import torch
 
+        from echo_p2p.collab.optimizer import CollabTrainerStep, make_collab_optimizer
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
         from echo_p2p.roles.trainer_guard import SenderGuard
@@ -89,7 +90,6 @@ class TrainerPeer(BasePeer):
         from echo_p2p.train.ingest import IngestConfig, IngestValidator
         from echo_p2p.train.learner import Learner
         from echo_p2p.train.reference import reference_policy
-        from echo_p2p.transport.collab_optimizer import CollabTrainerStep, make_collab_optimizer
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollouts.config import rollout_namespace
         from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
@@ -552,7 +552,7 @@ class TrainerPeer(BasePeer):
         return {**self.role_fields(), **self._counters(), **{k: v for k, v in self.last_stats.items()}}
 
     def on_shutdown(self) -> None:
-        from echo_p2p.transport.collab_optimizer import shutdown_optimizer
+        from echo_p2p.collab.optimizer import shutdown_optimizer
 
         if self._stepper is not None and self.checkpoints is not None:
             try:

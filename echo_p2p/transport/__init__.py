@@ -1,4 +1,4 @@
-"""Networking transports between peers (hivemind P2P): weights, rollouts, trainer-swarm optimizer.
+"""Networking transports between peers (hivemind P2P): weights and rollouts.
 
 - ``weights`` (a sub-package: ``publisher``, ``fetcher``, ``service``, ...) and ``trust``: policy versions
   from trainers to inference peers, peer-assisted, accepted only from trusted trainers.
@@ -6,7 +6,6 @@
   ``config``): rollouts from inference peers to trainers; ``quota``: the per-sender token buckets of ingest.
 - ``streams``: server-streaming RPCs that keep their stream until the caller closes (weights and rollouts).
 - ``p2p_loop``: the one event loop both transports run on.
-- ``collab_optimizer``: gradient aggregation across trainers with ``hivemind.Optimizer``.
 
 Nothing is imported here: importing the package stays free of hivemind and torch.
 """

@@ -12,7 +12,7 @@ JSON; parameters in ``<result>.pt``, both atomically) and keeps its averagers se
 ``--hold-file`` appears or ``--hold-seconds`` pass, so a late trainer can load state from it. Every wait is
 bounded; SIGTERM shuts the optimizer and the DHT down. The per-step timings (``compute_s``,
 ``optimizer_s``, epoch before/after, peers seen) are what the epoch-overhead figures in
-``echo_p2p/transport/collab_optimizer.py`` were computed from.
+``echo_p2p/collab/optimizer.py`` were computed from.
 """
 
 from __future__ import annotations
@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from echo_p2p.collab.optimizer import (
+        CollabOptimizerConfig,
+        CollabTrainerStep,
+        make_collab_optimizer,
+        shutdown_optimizer,
+    )
     from echo_p2p.ml.engine import SamplingParams, TransformersEngine
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
@@ -88,12 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.tasks import build_task
     from echo_p2p.train.buffer import ScoredGroup
     from echo_p2p.train.learner import GRPOConfig, Learner
-    from echo_p2p.transport.collab_optimizer import (
-        CollabOptimizerConfig,
-        CollabTrainerStep,
-        make_collab_optimizer,
-        shutdown_optimizer,
-    )
 
     model, tokenizer = build_tiny_policy(args.model_seed)
     if not _wait_for(args.join_file, stop):

@@ -144,6 +144,13 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
     checkpoint resumes at the saved version and goes on from there."""
     import random
 
+    from echo_p2p.collab.optimizer import (
+        CollabOptimizerConfig,
+        CollabTrainerStep,
+        make_collab_optimizer,
+        shutdown_optimizer,
+        trainer_swarm_run_id,
+    )
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
@@ -154,13 +161,6 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
     from echo_p2p.train.checkpoint import CheckpointManager, CheckpointVersionError
     from echo_p2p.train.config import GRPOConfig
     from echo_p2p.train.learner import Learner
-    from echo_p2p.transport.collab_optimizer import (
-        CollabOptimizerConfig,
-        CollabTrainerStep,
-        make_collab_optimizer,
-        shutdown_optimizer,
-        trainer_swarm_run_id,
-    )
 
     model, tokenizer = build_tiny_policy(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -223,7 +223,7 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
 
 
 def test_config_and_run_id_rules() -> None:
-    from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig, trainer_swarm_run_id
+    from echo_p2p.collab.optimizer import CollabOptimizerConfig, trainer_swarm_run_id
 
     assert trainer_swarm_run_id("demo") == f"echo-v{PROTOCOL_VERSION}-demo-trainers"
     with pytest.raises(ValueError):
@@ -236,16 +236,16 @@ def test_config_and_run_id_rules() -> None:
 
 def test_client_mode_of_the_config_reaches_every_averager() -> None:
     """hivemind 1.1.12 replaces an explicit ``client_mode`` by the DHT's; ``SyncedOptimizer`` honours it."""
+    from echo_p2p.collab.optimizer import (
+        CollabOptimizerConfig,
+        make_collab_optimizer,
+        shutdown_optimizer,
+    )
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
-    from echo_p2p.transport.collab_optimizer import (
-        CollabOptimizerConfig,
-        make_collab_optimizer,
-        shutdown_optimizer,
-    )
 
     identity = load_or_create_identity(None)
     dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), identity, [SwarmKeys("cm")])

@@ -124,8 +124,8 @@ def test_shipped_bootstrap_config_is_valid():
 
 
 def test_smollm2_trainer_deadlines_hold_on_a_20_mbit_link_and_the_tiny_ones_on_loopback():
+    from echo_p2p.collab.optimizer import CollabOptimizerConfig, link_timeouts
     from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS
-    from echo_p2p.transport.collab_optimizer import CollabOptimizerConfig, link_timeouts
 
     preset = {
         k.rsplit(".", 1)[-1]: v for k, v in PRESET_TRAINER_DEFAULTS["smollm2"].items() if ".collab." in k

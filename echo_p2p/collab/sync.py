@@ -2,7 +2,7 @@
 
 Owned here: ``SyncedOptimizer`` (the ``hivemind.Optimizer`` that ``make_collab_optimizer`` builds) and the
 pure rules it applies (``choose_reference``, ``next_token``, ``parse_tag``). Called by
-``echo_p2p.transport.collab_optimizer`` only. Must not compute losses nor talk to anything but hivemind.
+``echo_p2p.collab.optimizer`` only. Must not compute losses nor talk to anything but hivemind.
 
 Why
 ---

@@ -1,10 +1,10 @@
-"""The trainers' sync check (``collab_sync``): tags, the reference rule, and what an epoch transition decides."""
+"""The trainers' sync check (``collab.sync``): tags, the reference rule, and what an epoch transition decides."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from echo_p2p.transport.collab_sync import (
+from echo_p2p.collab.sync import (
     SyncedOptimizer,
     choose_reference,
     fresh_token,
@@ -130,7 +130,7 @@ def test_an_idle_trainer_behind_the_swarm_catches_up_and_one_level_with_it_does_
 
 
 def test_a_member_whose_averages_arrived_only_in_part_is_off_the_reference_and_downloads() -> None:
-    from echo_p2p.transport.collab_sync import _TaggedGradientAverager, parse_tag
+    from echo_p2p.collab.sync import _TaggedGradientAverager, parse_tag
 
     a, b = _Fake("A", 4, "t", 2), _Fake("B", 4, "t", 2)
     full = {"A": (4, "t"), "B": (4, "t")}

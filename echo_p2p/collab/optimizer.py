@@ -3,7 +3,7 @@
 Owned here: ``CollabOptimizerConfig`` (every knob of the collaborative optimizer, with settings proven on
 loopback), ``trainer_swarm_run_id`` (the optimizer's ``run_id``, derived from the echo run id: one per run,
 shared by every trainer of it), ``make_collab_optimizer`` (a ``hivemind.Optimizer`` wrapping AdamW over the
-policy's parameters; precisely ``collab_sync.SyncedOptimizer``, which keeps the trainers' states identical),
+policy's parameters; precisely ``collab.sync.SyncedOptimizer``, which keeps the trainers' states identical),
 ``CollabTrainerStep`` (``Learner.compute_gradients`` then ``optimizer.step``, reporting
 whether a new policy version was reached) and ``shutdown_optimizer`` (bounded shutdown).
 Called by the trainer peer, tests and benchmarks. Must not compute losses (``echo_p2p.train`` does) nor
@@ -23,7 +23,7 @@ diverge between trainers. hivemind's ``epoch`` is therefore echo_p2p's policy ``
 hivemind alone keeps only the epochs together: after an all-reduce that failed for one trainer, a solo
 first epoch, or a round that paired a trainer with the other's next epoch, two trainers hold different
 parameters and Adam statistics under the same version (seen as a 7.7e-4 difference in the collab test).
-``collab_sync.SyncedOptimizer`` tags every gradient round with each member's (epoch, sync token); a
+``collab.sync.SyncedOptimizer`` tags every gradient round with each member's (epoch, sync token); a
 member that is not on the round's reference, or whose round failed while other trainers are known,
 downloads the whole state at its next step. Trainers therefore hold the same state after every epoch they
 averaged together (up to the all-reduce's float rounding) and re-synchronise by the next step or the next
@@ -153,7 +153,7 @@ class CollabOptimizerConfig(BaseModel):
         default=0,
         ge=0,
         description="0 (default): no hivemind state averaging; trainers are kept identical by the sync check "
-        "of every gradient round and a state download when it fails (``collab_sync``). N >= 1: also average "
+        "of every gradient round and a state download when it fails (``collab.sync``). N >= 1: also average "
         "parameters (not the optimizer statistics) every N epochs; that mixes the states of out-of-sync "
         "trainers behind the sync check's back, so trainers are then only approximately equal.",
     )
@@ -269,7 +269,7 @@ def make_collab_optimizer(
     import torch
     from hivemind.compression import Float16Compression, NoCompression
 
-    from echo_p2p.transport.collab_sync import NEVER, SyncedOptimizer
+    from echo_p2p.collab.sync import NEVER, SyncedOptimizer
 
     compression = Float16Compression() if config.compression == "float16" else NoCompression()
     lr, betas, eps, wd = config.lr, config.betas, config.eps, config.weight_decay
@@ -384,7 +384,7 @@ class CollabTrainerStep:
     @property
     def in_sync(self) -> bool:
         """True when this trainer's last epoch was agreed with the other trainers of its round (or its state
-        was just downloaded from one, or it is alone): see ``echo_p2p.transport.collab_sync``."""
+        was just downloaded from one, or it is alone): see ``echo_p2p.collab.sync``."""
         return bool(getattr(self.optimizer, "in_sync", True))
 
     def settle(self) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import echo_p2p.transport.collab_sync as collab_sync
+import echo_p2p.collab.sync as sync
 
 
 def test_every_sync_counter_incremented_is_created_with_the_optimizer():
-    tree = ast.parse(Path(collab_sync.__file__).read_text())
+    tree = ast.parse(Path(sync.__file__).read_text())
     created: set[str] = set()
     used: set[str] = set()
     for node in ast.walk(tree):
