@@ -59,9 +59,9 @@ from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.roles.inference import InferencePeer
 from echo_p2p.tasks import build_task
 from echo_p2p.train.batching import split_micro_batches
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.grpo import token_logprobs
 from echo_p2p.train.learner import Learner, _forward_logits
+from echo_p2p.train.scored import ScoredGroup
 
 HERE = Path(__file__).resolve().parent
 GOAL_RATIO = 0.9

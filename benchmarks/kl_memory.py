@@ -45,9 +45,9 @@ def arm(model: str, kl_beta: float, sequences: int, tokens: int) -> dict:
     from echo_p2p.ml.tokenizer import encode_prompts
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.tasks import build_task
-    from echo_p2p.train.buffer import ScoredGroup
     from echo_p2p.train.learner import GRPOConfig, Learner
     from echo_p2p.train.reference import reference_policy
+    from echo_p2p.train.scored import ScoredGroup
 
     torch.set_num_threads(2)
     policy, tokenizer = load_policy(ModelSpec(preset=model))

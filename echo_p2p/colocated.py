@@ -196,7 +196,7 @@ class ColocatedTrainer:
         ``version``, the one ``engine`` holds)."""
         from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
         from echo_p2p.rollout import Completion, RolloutGroup
-        from echo_p2p.train.buffer import ScoredGroup
+        from echo_p2p.train.scored import ScoredGroup
 
         cfg = self.config
         ids = (

@@ -83,9 +83,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import hivemind
     import torch
 
-    from echo_p2p.train.buffer import ScoredGroup
     from echo_p2p.train.config import GRPOConfig
     from echo_p2p.train.learner import Learner
+    from echo_p2p.train.scored import ScoredGroup
 
 logger = logging.getLogger(__name__)
 

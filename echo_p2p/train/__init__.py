@@ -6,7 +6,8 @@
 - ``memory``: bytes per token of a forward/backward; the micro-batch token limit of a memory budget.
 - ``learner``: ``Learner`` (forward/backward with gradient accumulation, drift probes).
 - ``reference``: the frozen starting policy of the KL penalty.
-- ``buffer``: ``ScoredGroup`` and ``ReplayBuffer`` (staleness policy); pure Python, no torch.
+- ``scored``: ``ScoredGroup``, a validated group with the rewards the trainer re-computed.
+- ``buffer``: ``ReplayBuffer`` (staleness policy); pure Python, no torch.
 - ``pacing``: how many groups a trainer grants each sender (the async swarm's pacing rule).
 - ``ingest``: validation of untrusted rollout groups (shapes, versions, re-scored rewards, held-out prompts).
 - ``reputation``, ``drift``: senders' log-prob checks, strikes and bans; how far the policy itself moved.
@@ -25,7 +26,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ScoredGroup": "buffer",
+    "ScoredGroup": "scored",
     "ReplayBuffer": "buffer",
     "AddResult": "buffer",
     "BufferStats": "buffer",

@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.grpo import group_advantages
+from echo_p2p.train.scored import ScoredGroup
 
 
 @dataclass

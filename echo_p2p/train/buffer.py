@@ -1,7 +1,6 @@
-"""Replay buffer and staleness policy of a trainer peer.
+r"""Replay buffer and staleness policy of a trainer peer.
 
-Owned here: ``ScoredGroup`` (a validated ``RolloutGroup`` plus the rewards the trainer re-computed with the
-task's verifier) and ``ReplayBuffer``: de-duplication by ``rollout_id``, bounded memory, the staleness rule,
+Owned here: ``ReplayBuffer`` (of ``train.scored.ScoredGroup``\ s): de-duplication by ``rollout_id``, bounded memory, the staleness rule,
 reuse counting and the stats a trainer logs and announces (``free_room``).
 Called by the trainer peer: its ingest thread calls ``add``; its training loop calls ``take``.
 Must not import torch or hivemind (the ingest path stays pure Python) and must not validate or re-score
@@ -41,43 +40,14 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
-from echo_p2p.rollout import RolloutGroup
+from echo_p2p.train.scored import ScoredGroup
 
 if TYPE_CHECKING:
     from echo_p2p.train.journal import IntakeJournal
-
-
-@dataclass(frozen=True)
-class ScoredGroup:
-    """A rollout group with the trusted rewards (one per completion) the trainer computed itself.
-
-    ``group.completions[i].claimed_reward`` is never used by training; ``rewards[i]`` is.
-    """
-
-    group: RolloutGroup
-    rewards: tuple[float, ...]
-
-    def __init__(self, group: RolloutGroup, rewards: Sequence[float]) -> None:
-        rewards = tuple(float(r) for r in rewards)
-        if len(rewards) != len(group.completions):
-            raise ValueError(f"{len(rewards)} rewards for {len(group.completions)} completions")
-        if not all(math.isfinite(r) for r in rewards):
-            raise ValueError("rewards must be finite")
-        object.__setattr__(self, "group", group)
-        object.__setattr__(self, "rewards", rewards)
-
-    @property
-    def rollout_id(self) -> str:
-        return self.group.rollout_id
-
-    @property
-    def policy_version(self) -> int:
-        return self.group.policy_version
 
 
 class AddResult(str, Enum):

@@ -25,7 +25,7 @@ from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import check_chat_template, decode_completion, encode_prompts
 from echo_p2p.rollout import MAX_ABS_REWARD, RolloutGroup, Sampling
 from echo_p2p.tasks.base import Task, TaskError
-from echo_p2p.train.buffer import ScoredGroup
+from echo_p2p.train.scored import ScoredGroup
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase

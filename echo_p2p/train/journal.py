@@ -31,12 +31,9 @@ import threading
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from echo_p2p.rollout import RolloutGroup
-
-if TYPE_CHECKING:
-    from echo_p2p.train.buffer import ScoredGroup
+from echo_p2p.train.scored import ScoredGroup
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +75,6 @@ def _encode_added(scored: ScoredGroup) -> bytes:
 
 
 def _decode_added(payload: bytes) -> ScoredGroup:
-    from echo_p2p.train.buffer import ScoredGroup
-
     (n,) = _U32.unpack_from(payload)
     header = json.loads(payload[4 : 4 + n])
     return ScoredGroup(RolloutGroup.from_bytes(payload[4 + n :]), header["rewards"])

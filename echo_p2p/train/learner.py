@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
 from echo_p2p.train.memory import memory_token_limit
+from echo_p2p.train.scored import ScoredGroup
 
 
 def _forward_logits(

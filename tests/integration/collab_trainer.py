@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.tasks import build_task
-    from echo_p2p.train.buffer import ScoredGroup
     from echo_p2p.train.learner import GRPOConfig, Learner
+    from echo_p2p.train.scored import ScoredGroup
 
     model, tokenizer = build_tiny_policy(args.model_seed)
     if not _wait_for(args.join_file, stop):

@@ -157,10 +157,10 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.rollout import Completion, RolloutGroup
-    from echo_p2p.train.buffer import ScoredGroup
     from echo_p2p.train.checkpoint import CheckpointManager, CheckpointVersionError
     from echo_p2p.train.config import GRPOConfig
     from echo_p2p.train.learner import Learner
+    from echo_p2p.train.scored import ScoredGroup
 
     model, tokenizer = build_tiny_policy(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}

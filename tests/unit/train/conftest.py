@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.buffer import ScoredGroup
+from echo_p2p.train.scored import ScoredGroup
 
 VOCAB = 16
 PAD, EOS = 0, 1

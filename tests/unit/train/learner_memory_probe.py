@@ -21,8 +21,8 @@ import threading
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.scored import ScoredGroup
 
 VOCAB = 50_000
 PAGE = os.sysconf("SC_PAGE_SIZE")

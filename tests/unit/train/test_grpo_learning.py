@@ -14,8 +14,9 @@ import time
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.buffer import ReplayBuffer, ScoredGroup
+from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.scored import ScoredGroup
 
 ARROW, FIRST, LETTERS = 2, 3, 8  # token ids: 0 pad, 1 eos, 2 '>', 3..10 letters (vocab 16)
 G, PROMPTS, NEW_TOKENS, STEPS = 8, 8, 2, 60

@@ -11,8 +11,8 @@ from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import build_char_tokenizer, decode_completion, encode_prompts
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.tasks import build_task
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.ingest import IngestConfig, IngestValidator, Reason, Rejection
+from echo_p2p.train.scored import ScoredGroup
 
 G = 4
 VERSION = 5

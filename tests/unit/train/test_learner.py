@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.scored import ScoredGroup
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

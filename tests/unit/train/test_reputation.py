@@ -79,7 +79,7 @@ class FakeDirectory:
 
 def scored(sender: str, prompt: int):
     from echo_p2p.rollout import Completion, RolloutGroup
-    from echo_p2p.train.buffer import ScoredGroup
+    from echo_p2p.train.scored import ScoredGroup
 
     group = RolloutGroup(
         task="t",

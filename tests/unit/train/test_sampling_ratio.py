@@ -10,9 +10,9 @@ from echo_p2p.ml.engine import SamplingParams, TransformersEngine
 from echo_p2p.ml.models import ModelSpec, load_policy
 from echo_p2p.ml.tokenizer import encode_prompts
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.buffer import ScoredGroup
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.learner import Learner
+from echo_p2p.train.scored import ScoredGroup
 
 TEXTS = ["3a=", "12+34=", "c>", "7b7b="]
 
