@@ -23,6 +23,9 @@ from echo_p2p import PROTOCOL_VERSION
 #: keep their rewards within it (``tasks.plugin`` clips a user function's values to it and logs).
 MAX_ABS_REWARD = 1e6
 
+#: Longest ``rollout_id`` accepted (a uuid4 hex is 32 characters).
+MAX_ROLLOUT_ID_LEN = 64
+
 
 class Completion(BaseModel):
     """One sampled completion of a prompt."""

@@ -47,8 +47,8 @@ class SyncIntake:
     def collect(self, version: int) -> list | None:
         """The validated groups of one step at ``version``, or None when none came (no inference peer yet,
         or all of them failed: the caller asks again)."""
-        from echo_p2p.train.ingest import Rejection
         from echo_p2p.train.scored import ScoredGroup
+        from echo_p2p.transport.rollouts.refusals import Rejection
 
         section = self.config.trainer
         scored: list[ScoredGroup] = []

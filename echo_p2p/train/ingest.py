@@ -1,12 +1,11 @@
 """Validation of untrusted rollout groups before they reach a trainer's replay buffer.
 
-Owned here: ``IngestConfig`` (the limits a trainer enforces), ``Reason`` (the closed set of rejection
-reasons, also the names of the per-sender counters and the strings sent back to senders), ``Rejection`` and
-``IngestValidator``, which checks schema, sizes, token ranges, log-probs, versions and the prompt (rebuilt
+Owned here: ``IngestConfig`` (the limits a trainer enforces) and ``IngestValidator``, which checks schema, sizes, token ranges, log-probs, versions and the prompt (rebuilt
 from its id), then re-scores every completion with the task's own verifier: the claimed reward is never
 trusted, it is only compared with the re-score to catch forgers. Called by the trainer peer, through the
 rollout transport (``echo_p2p.transport.rollouts.ingest`` async, ``rollouts.pull`` sync).
-Must not import hivemind or torch, and must never raise on bad input: every problem is a ``Rejection``.
+Must not import hivemind or torch, and must never raise on bad input: every problem is a ``Rejection``
+(the refusal codes are the wire's: ``transport.rollouts.refusals``).
 """
 
 from __future__ import annotations
@@ -15,77 +14,24 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import check_chat_template, decode_completion, encode_prompts
-from echo_p2p.rollout import MAX_ABS_REWARD, RolloutGroup, Sampling
+from echo_p2p.rollout import MAX_ABS_REWARD, MAX_ROLLOUT_ID_LEN, RolloutGroup, Sampling
 from echo_p2p.tasks.base import Task, TaskError
 from echo_p2p.train.scored import ScoredGroup
+from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-#: Longest ``rollout_id`` accepted (a uuid4 hex is 32 characters).
-MAX_ROLLOUT_ID_LEN = 64
 #: A behaviour log-prob above this is impossible (log p <= 0) beyond float rounding.
 MAX_LOGPROB = 1e-3
-
-
-class Reason(str, Enum):
-    """Why a rollout group was refused. The value is what the sender receives and what counters are named."""
-
-    MALFORMED = "malformed"  # does not parse, wrong types, empty completion, bad id or negative version
-    OTHER_PROTOCOL = "other_protocol"  # written by a peer of another protocol version
-    UNKNOWN_TASK = "unknown_task"  # a task this trainer does not train on
-    BAD_PROMPT_ID = "bad_prompt_id"  # prompt id out of the task's range
-    HELD_OUT = "held_out"  # a prompt of the task's held-out split: evaluated, never trained on
-    PROMPT_MISMATCH = "prompt_mismatch"  # prompt tokens differ from the prompt rebuilt from its id
-    WRONG_GROUP_SIZE = "wrong_group_size"  # not exactly ``group_size`` completions
-    TOKEN_OUT_OF_RANGE = "token_out_of_range"  # a token id outside [0, vocab_size)
-    TOO_LONG = "too_long"  # prompt or completion longer than the limits
-    LOGPROB_MISMATCH = "logprob_mismatch"  # not one log-prob per completion token
-    BAD_LOGPROB = "bad_logprob"  # a log-prob > 0 (impossible) or below the floor (``logprob_floor_mass``)
-    NON_FINITE = "non_finite"  # NaN or infinity in log-probs or the claimed reward
-    FUTURE_VERSION = "future_version"  # sampled by a policy version this trainer has not reached
-    TOO_STALE = "too_stale"  # older than ``max_staleness`` versions
-    FORGED_REWARD = "forged_reward"  # a claimed reward differs from the verifier's re-score
-    DUPLICATE = "duplicate"  # a rollout id already accepted (a resend: counted, acknowledged as delivered)
-    BUFFER_FULL = "buffer_full"  # the trainer has no room now (retryable elsewhere)
-    TOO_LARGE = "too_large"  # a message above the byte limit
-    TOO_MANY = "too_many"  # more groups in one push than allowed
-    DUPLICATE_CONTENT = "duplicate_content"  # the completions of a group already accepted, under a new id
-    NOT_THE_SAMPLER = "not_the_sampler"  # ``sampler_peer_id`` names another peer than the one pushing it
-    SAMPLING_MISMATCH = "sampling_mismatch"  # sampled with settings the run does not allow (or none said)
-    NO_SIGNAL = "no_signal"  # valid, but every completion re-scored the same: nothing to learn (advantage 0)
-    NOT_GRANTED = "not_granted"  # beyond the sender's grant and its allowance (paced trainers; retryable)
-    INTERNAL_ERROR = "internal_error"  # the trainer failed while checking it (a bug; logged)
-
-
-#: Reasons after which the same group may succeed at another trainer (or later): the sender resends.
-RETRYABLE_REASONS: frozenset[Reason] = frozenset(
-    {Reason.BUFFER_FULL, Reason.INTERNAL_ERROR, Reason.NOT_GRANTED}
-)
-#: Refusals an honest sampler meets in routine (a policy that is always right, a stale group): counted, not
-#: logged as warnings by the sender, and never a strike.
-ROUTINE_REASONS: frozenset[Reason] = frozenset({Reason.TOO_STALE, Reason.NO_SIGNAL})
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """A refused group: the reason (a fixed code) and a short detail for logs and the sender."""
-
-    reason: Reason
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
 
 
 class IngestConfig(BaseModel):

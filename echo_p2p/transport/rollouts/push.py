@@ -31,11 +31,11 @@ from hivemind.p2p import P2P, PeerID
 
 from echo_p2p.logs import RateLimitedLog
 from echo_p2p.proto import rollouts_pb2
-from echo_p2p.rollout import RolloutGroup
-from echo_p2p.train.ingest import MAX_ROLLOUT_ID_LEN, RETRYABLE_REASONS, ROUTINE_REASONS, Reason
+from echo_p2p.rollout import MAX_ROLLOUT_ID_LEN, RolloutGroup
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
 from echo_p2p.transport.rollouts.config import PusherConfig
 from echo_p2p.transport.rollouts.ingest import DELIVERED, RolloutIngestServicer, Status
+from echo_p2p.transport.rollouts.refusals import RETRYABLE_REASONS, ROUTINE_REASONS, Reason
 
 logger = logging.getLogger(__name__)
 

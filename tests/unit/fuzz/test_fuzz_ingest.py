@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.train.ingest import Reason
 from echo_p2p.transport.rollouts.config import IngestServerConfig
 from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
+from echo_p2p.transport.rollouts.refusals import Reason
 from tests.unit.fuzz.fuzzing import FUZZ, broken, context, hostile_bytes, packed, peak_allocated, run
 from tests.unit.fuzz.test_fuzz_rollouts import HONEST, HONEST_BYTES, HONEST_DICT, VALIDATOR, VERSION
 

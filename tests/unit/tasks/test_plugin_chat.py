@@ -99,7 +99,8 @@ def test_a_group_sampled_from_a_conversational_task_passes_the_trainers_ingest(t
     from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
     from echo_p2p.ml.models import ModelSpec, load_tokenizer
     from echo_p2p.ml.tokenizer import encode_prompts
-    from echo_p2p.train.ingest import IngestConfig, IngestValidator, Reason, Rejection
+    from echo_p2p.train.ingest import IngestConfig, IngestValidator
+    from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 
     options = {
         "reward": [f"{MODULE}:chat_answer", f"{MODULE}:chat_length"],

@@ -11,8 +11,9 @@ from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.ml.tokenizer import build_char_tokenizer, decode_completion, encode_prompts
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.tasks import build_task
-from echo_p2p.train.ingest import IngestConfig, IngestValidator, Reason, Rejection
+from echo_p2p.train.ingest import IngestConfig, IngestValidator
 from echo_p2p.train.scored import ScoredGroup
+from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 
 G = 4
 VERSION = 5
