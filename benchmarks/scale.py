@@ -670,8 +670,8 @@ def run(args: argparse.Namespace, counts: list[int], ingest_only: bool, workdir:
         wait_until(maddrs_file.exists, 60, "bootstrap ready")
         maddr = maddrs_file.read_text().split()[0]
 
+        from echo_p2p.guard.trust import trainer_key_line
         from echo_p2p.net.identity import load_or_create_identity
-        from echo_p2p.transport.trust import trainer_key_line
 
         trainer_id = workdir / "trainer.id"
         trusted = workdir / "trusted-trainers.txt"

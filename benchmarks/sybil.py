@@ -35,13 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     sizes = sorted(int(x) for x in args.sizes.split(","))
 
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.directory import SwarmDirectory
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.net.records import PeerRecord
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     keys = SwarmKeys("sybil")
     boot_id, reader_id, writer_id, trainer_id = (load_or_create_identity(None) for _ in range(4))

@@ -191,7 +191,7 @@ def _warm_up_decoder() -> None:
 def _peer_loop(dht, identity, keys, args) -> None:
     from hivemind.p2p import PeerID
 
-    from echo_p2p.transport.trust import TrustedTrainers
+    from echo_p2p.guard.trust import TrustedTrainers
     from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 
     _warm_up_decoder()

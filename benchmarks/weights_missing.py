@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from echo_p2p.guard.trust import TrustedTrainers
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
-from echo_p2p.transport.trust import TrustedTrainers
 from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
 from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 from echo_p2p.weights import EncodingConfig

@@ -95,8 +95,8 @@ class BootstrapPeer:
 
     def _start_monitor(self, run_id: str) -> None:
         """Serve the monitor page of ``run_id`` from this node (trust: the run record it keeps, if any)."""
+        from echo_p2p.guard.trust import RunTrust
         from echo_p2p.monitor.embedded import serve_embedded
-        from echo_p2p.transport.trust import RunTrust
 
         record = self._run_record[2] if self._run_record is not None else None
         trust = RunTrust(owner=record.owner_peer_id(), run_id=run_id) if record is not None else RunTrust()
@@ -137,8 +137,8 @@ class BootstrapPeer:
         tell this node whose trainer records to store (``SwarmDirectory.follow_trust``)."""
         if self._run_record is None:
             return
+        from echo_p2p.guard.trust import RunTrust
         from echo_p2p.net.directory import SwarmDirectory
-        from echo_p2p.transport.trust import RunTrust
 
         keys, signed, record = self._run_record
         if self._run_trust is None:

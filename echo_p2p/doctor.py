@@ -129,8 +129,8 @@ class Doctor:
         return f"{-offset:+.2f} s off the bootstrap's"
 
     def run_record(self) -> str:
+        from echo_p2p.guard.trust import RunTrust
         from echo_p2p.net.directory import find_run_record
-        from echo_p2p.transport.trust import RunTrust
 
         trust = RunTrust(owner=self.join.owner, run_id=self.join.run_id, min_serial=self.join.min_serial)
         missing = find_run_record(self.directory, trust)  # as long as a joining peer looks

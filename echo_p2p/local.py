@@ -291,10 +291,10 @@ def watch(swarm: LocalSwarm) -> int:
 def start_monitor(swarm: LocalSwarm, dht, keys, identity) -> tuple:
     """Serve the run's monitor page on 127.0.0.1 from this process's DHT node, with the run owner's trust;
     prints its URL. Returns ``(server, poller)`` to stop."""
+    from echo_p2p.guard.trust import RunTrust
     from echo_p2p.monitor.config import MonitorConfig
     from echo_p2p.monitor.embedded import serve_embedded
     from echo_p2p.net.node import neighbour_counts
-    from echo_p2p.transport.trust import RunTrust
 
     config = MonitorConfig(port=swarm.config.monitor_port, poll_period=2.0)
     trust = RunTrust(owner=swarm.owner, run_id=swarm.config.run_id)

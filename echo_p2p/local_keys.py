@@ -22,10 +22,10 @@ FIRST_PORT = 20000
 
 def make_trainer_identities(workdir: Path, trainers: int) -> Path:
     """Create the trainers' identities up front and the run's trusted-trainers file from them."""
+    from echo_p2p.guard.trust import trainer_key_line
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import trainer_key_line
 
-    lines = ["# trainers of this local run (python -m echo_p2p.transport.trust IDENTITY prints a line)"]
+    lines = ["# trainers of this local run (python -m echo_p2p.guard.trust IDENTITY prints a line)"]
     for i in range(trainers):
         identity = load_or_create_identity(str(workdir / "identities" / f"trainer-{i}.id"))
         lines.append(trainer_key_line(identity))
@@ -47,9 +47,9 @@ def make_run_record(
     """Sign the run record (its trainers, model, task, mode) with the run-owner identity under ``workdir``
     (created when missing, kept otherwise), as ``python -m echo_p2p.owner sign`` does; returns the record
     file and the owner's peer id."""
+    from echo_p2p.guard.trust import TrustedTrainers
     from echo_p2p.net import run_record
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import TrustedTrainers
 
     trusted = TrustedTrainers.from_file(make_trainer_identities(workdir, trainers))
     owner = load_or_create_identity(str(workdir / "identities" / "owner.id"))

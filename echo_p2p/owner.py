@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             f"join address: {record.run_id}:{record.owner_peer_id()}@<bootstrap multiaddrs, comma-separated>"
         )
         return
+    from echo_p2p.guard.trust import TrustedTrainers, TrustFileError
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import TrustedTrainers, TrustFileError
 
     try:
         trainers = TrustedTrainers.from_file(args.trainers)

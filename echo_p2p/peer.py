@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(argv)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
-    from echo_p2p.transport.trust import TrustedTrainers, TrustFileError
+    from echo_p2p.guard.trust import TrustedTrainers, TrustFileError
 
     section = config.inference if config.role == "inference" else config.trainer
     if section.trusted_trainers:

@@ -32,7 +32,7 @@ MAX_BANS = 256
 
 @dataclass
 class Snapshot:
-    """One read of a run's directory. ``trust`` is a ``transport.trust.RunTrust`` (or None: no opinion)."""
+    """One read of a run's directory. ``trust`` is a ``guard.trust.RunTrust`` (or None: no opinion)."""
 
     run_id: str
     time: float

@@ -23,7 +23,7 @@ from echo_p2p.cli import add_network_flags, network_flags
 class Target:
     run_id: str
     network: Any  # net.network_config.NetworkConfig
-    trust: Any  # transport.trust.RunTrust
+    trust: Any  # guard.trust.RunTrust
 
 
 def add_target_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def resolve_target(args: argparse.Namespace, environ: Mapping[str, str] | None =
 
 
 def _trust(join, trusted_trainers: str | None, run_id: str):
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 
     if join is not None and trusted_trainers:
         raise ValueError(

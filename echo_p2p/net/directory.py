@@ -224,7 +224,7 @@ RUN_RECORD_WAIT = 3.0
 def find_run_record(
     directory: SwarmDirectory, trust, timeout: float = RUN_RECORD_WAIT, stop=None
 ) -> str | None:
-    """Read the run's key until ``trust`` (a ``transport.trust.RunTrust`` told the owner, with no record yet)
+    """Read the run's key until ``trust`` (a ``guard.trust.RunTrust`` told the owner, with no record yet)
     takes a valid record of its owner from the stored copies (``trust.record``); None then, or when ``stop``
     (a ``threading.Event``) is set. After ``timeout``: why none is valid and how to fix it, for a person."""
     from echo_p2p.net.run_record import explain_missing

@@ -246,7 +246,7 @@ class PolicyRecord(WireRecord):
 
     Small on purpose: the manifests of the publisher's current chain (newest keyframe and the deltas that
     follow it) are listed by digest only; receivers fetch them with ``rpc_get_manifests`` and accept one
-    only if its signature and publisher are trusted (``echo_p2p.transport.trust``).
+    only if its signature and publisher are trusted (``echo_p2p.guard.trust``).
     """
 
     peer_id: str = Field(max_length=128, description="libp2p peer id (base58) of the publisher")

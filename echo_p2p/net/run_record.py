@@ -15,7 +15,7 @@ cannot forge or hide a valid one. A newer serial replaces an older one; an expir
 Owned here: the schemas, canonical bytes, signing and verification, choosing the newest valid record, what
 is wrong when a joining peer finds no valid one (``explain_missing``: a wrong owner or run id, an expired or
 unsigned record, each with its fix), the join address, and the record file (written by ``python -m echo_p2p.owner sign``). No network I/O: the
-directory stores and reads the ``SignedRunRecord``s, ``transport.trust.RunTrust`` applies them.
+directory stores and reads the ``SignedRunRecord``s, ``guard.trust.RunTrust`` applies them.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class BasePeer:
         self.reachability = "unreachable"
         self.announcements_failed = 0
         self.exit_code = 0  # what the CLI exits with once the peer stopped (a role sets 1 on a fatal error)
-        self.trust = None  # transport.trust.RunTrust: whom this peer takes for the run's trainers
+        self.trust = None  # guard.trust.RunTrust: whom this peer takes for the run's trainers
         self._signed_run_record: SignedRunRecord | None = None  # the owner's record, if this peer keeps it
         self._announcer: threading.Thread | None = None  # the peer's record, every heartbeat, nothing else
         self._chores: threading.Thread | None = None  # run record, trust, the role's heartbeat, metrics
@@ -189,8 +189,8 @@ class BasePeer:
     def _make_trust(self):
         """A ``RunTrust`` from the config: the run owner's record (``--join`` / ``--run-record``), else the
         trusted-trainers file, else none (a trainer of a run that declares no trainers)."""
+        from echo_p2p.guard.trust import RunTrust, TrustedTrainers
         from echo_p2p.net.run_record import read_file
-        from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
         config = self.config
         owner = config.run_owner

@@ -22,11 +22,11 @@ import time
 
 import pytest
 
+from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 from echo_p2p.monitor.config import MonitorConfig
 from echo_p2p.monitor.server import MonitorServer
 from echo_p2p.monitor.status import Snapshot, build_status
 from echo_p2p.net.run_record import RunRecord
-from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 from tests.browser import INSTALL_LINE, Browser, chromium_path
 from tests.conftest import wait_until
 from tests.unit.monitor.fakes import INF_A, TRAINER, bans, peer, trainer

@@ -215,7 +215,7 @@ def test_only_the_runs_trainers_write_the_trainers_key(swarm):
     new such records, and a reader told them drops a rogue node's answer that holds one."""
     from functools import partial
 
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 
     keys, honest, started = swarm
     boot, _, boot_dir = honest()
@@ -258,9 +258,9 @@ def test_only_copies_of_the_owners_run_record_are_kept(swarm, tmp_path):
     verify (it keeps a rogue's copy out of the readers' answers too)."""
     from functools import partial
 
+    from echo_p2p.guard.trust import RunTrust
     from echo_p2p.net.records import SignedRunRecord
     from echo_p2p.net.run_record import read_file
-    from echo_p2p.transport.trust import RunTrust
     from tests.conftest import write_run_record
 
     keys, honest, started = swarm

@@ -53,8 +53,8 @@ def peer_id_from_log(proc) -> str:
 def test_status_lists_peers_with_roles_then_forgets_killed_and_stopped_ones(procs, tmp_path):
     boot, maddr = procs.bootstrap()
     trusted = tmp_path / "trusted.txt"
+    from echo_p2p.guard.trust import trainer_key_line
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import trainer_key_line
 
     trusted.write_text(trainer_key_line(load_or_create_identity(str(tmp_path / "someone.id"))) + "\n")
     fast = (

@@ -151,8 +151,8 @@ def test_trainer_restarted_with_resume_continues_from_its_version(procs, tmp_pat
     ckpt = str(tmp_path / "ckpt")
     metrics = tmp_path / "metrics"
     trusted = tmp_path / "trusted.txt"
+    from echo_p2p.guard.trust import trainer_key_line
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import trainer_key_line
 
     trusted.write_text(trainer_key_line(load_or_create_identity(ident)) + "\n")
     common = ("--threads", "1", "--metrics-dir", str(metrics), "--heartbeat-period", "1")

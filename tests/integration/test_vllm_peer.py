@@ -44,8 +44,8 @@ inference:
 
 
 def test_an_inference_peer_on_vllm_follows_every_version_and_its_logprobs_are_the_trainers(procs, tmp_path):
+    from echo_p2p.guard.trust import trainer_key_line
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import trainer_key_line
 
     # the tiny preset's attention heads are too narrow for vLLM's CPU build: the same model, wider heads
     model = save_vllm_tiny_model(tmp_path / "model")

@@ -51,8 +51,8 @@ def last_metrics(metrics_dir) -> dict | None:
 def test_a_frozen_dht_child_is_a_stall_exit_75_with_restart_on_stall_else_announced_and_recovered(
     procs, tmp_path
 ):
+    from echo_p2p.guard.trust import trainer_key_line
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import trainer_key_line
 
     _, maddr = procs.bootstrap()
     trusted = tmp_path / "trusted.txt"

@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
+    from echo_p2p.guard.trust import TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
-    from echo_p2p.transport.trust import TrustedTrainers
     from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
     from echo_p2p.transport.weights.service import ServiceLimits
 

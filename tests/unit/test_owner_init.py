@@ -7,10 +7,10 @@ import shlex
 import subprocess
 import sys
 
+from echo_p2p.guard.trust import TrustedTrainers
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.run_record import JoinAddress, read_file
 from echo_p2p.owner import init_run, start_lines
-from echo_p2p.transport.trust import TrustedTrainers
 
 
 def test_init_makes_every_key_signs_the_record_and_prints_lines_that_use_them(tmp_path):

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
+from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 from echo_p2p.net import run_record as rr
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.records import SignedRunRecord
-from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_record_file_round_trip_and_refusal(people, tmp_path):
 
 def test_owner_cli_signs_a_record_of_a_trainers_file_and_shows_it(people, tmp_path, capsys):
     from echo_p2p import owner as cli
-    from echo_p2p.transport.trust import trainer_key_line
+    from echo_p2p.guard.trust import trainer_key_line
 
     trainers = tmp_path / "trainers.txt"
     trainers.write_text(trainer_key_line(people["t1"]) + "\n" + people["t2"].peer_id + "\n")

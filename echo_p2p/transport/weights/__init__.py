@@ -7,6 +7,6 @@
 - ``service``: what a process serves (``WeightLibrary``, ``WeightsServicer``) and its P2P endpoint;
   ``stream`` reads one chunk stream on the client side.
 
-Trust decisions are ``echo_p2p.transport.trust``; encoding and decoding are ``echo_p2p.weights``. Nothing is
+Trust decisions are ``echo_p2p.guard.trust``; encoding and decoding are ``echo_p2p.weights``. Nothing is
 imported here: importing the package stays free of hivemind and torch.
 """

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from echo_p2p.guard.trust import TrustedTrainers, check_manifest
 from echo_p2p.logs import VERSION_LINE_PERIOD, RateLimitedLog
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
@@ -33,7 +34,6 @@ from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.trust import TrustedTrainers, check_manifest
 from echo_p2p.transport.weights.announce import CoalescedStore
 from echo_p2p.transport.weights.chain import PlanError, plan_chain  # re-exported, part of this API
 from echo_p2p.transport.weights.config import (  # re-exported, part of this API

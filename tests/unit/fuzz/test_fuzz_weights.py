@@ -13,10 +13,10 @@ from hivemind.p2p import P2P
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from echo_p2p.guard.trust import TrustedTrainers
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PolicyRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.trust import TrustedTrainers
 from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
 from echo_p2p.transport.weights.fetcher import WeightFetcher
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer

@@ -48,8 +48,8 @@ def test_vllm_asked_outside_its_environment_is_refused_with_the_fix(monkeypatch)
 def test_the_donors_cuda_command_exits_2_with_the_fix_before_joining(tmp_path):
     """The GPU donor's command on a machine without CUDA: refused before any network start (the initial
     peer here answers nobody: a peer that got as far as joining would fail on it instead, exit 1)."""
+    from echo_p2p.guard.trust import trainer_key_line
     from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.transport.trust import trainer_key_line
 
     trusted = tmp_path / "trusted.txt"
     trusted.write_text(trainer_key_line(load_or_create_identity(str(tmp_path / "t.id"))) + "\n")

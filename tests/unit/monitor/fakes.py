@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import Ban, BanRecord, PeerRecord, PolicyRecord
-from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
 # base58 peer ids (the trust file parser checks the multihash shape)
 TRAINER = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import time
 
+from echo_p2p.guard.trust import RunTrust
 from echo_p2p.monitor.config import MonitorConfig
 from echo_p2p.monitor.history import Tracker
 from echo_p2p.monitor.status import Snapshot, build_status, reachability, read_snapshot
 from echo_p2p.net.records import PeerRecord
 from echo_p2p.net.run_record import RunRecord
-from echo_p2p.transport.trust import RunTrust
 from tests.unit.monitor.fakes import (
     IMPOSTOR,
     INF_A,

@@ -111,10 +111,10 @@ def test_a_fresh_trainer_starts_on_the_grid_its_receivers_hold():
 
 
 def test_the_smallest_running_trusted_trainer_is_elected_publisher():
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer_weights import elect_publisher
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     # ghost sorts first, claims to be a trainer and is not trusted
     ghost, a, b, c = sorted(str(load_or_create_identity(None).peer_id) for _ in range(4))
@@ -132,10 +132,10 @@ def test_the_smallest_running_trusted_trainer_is_elected_publisher():
 
 
 def test_a_trainer_behind_the_newest_leaves_publishing_to_one_that_holds_it():
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer_weights import PUBLISHER_SLACK, elect_publisher
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
     trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
@@ -162,10 +162,10 @@ def test_a_trainer_still_at_the_initial_weights_never_takes_publishing_from_one_
     """A trainer that joins a young run (within PUBLISHER_SLACK versions of it) at version 0 has none of the
     run's updates: elected for its smaller id, it published its initial weights and the trainer that held
     the run stood by until the newcomer had downloaded the state (seen in a late-trainer run)."""
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer_weights import PUBLISHER_SLACK, elect_publisher
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
     trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
@@ -183,10 +183,10 @@ def test_a_trainer_still_at_the_initial_weights_never_takes_publishing_from_one_
 
 def test_a_trainer_behind_a_version_nobody_alive_holds_goes_on_after_it():
     """The publisher died while the other trainer was behind it: nobody can give that state any more."""
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord, PolicyRecord
     from echo_p2p.roles.trainer_weights import orphaned_version
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     dead, me, stranger = (str(load_or_create_identity(None).peer_id) for _ in range(3))
     trust = RunTrust(fixed=TrustedTrainers.from_keys([dead, me]))
@@ -225,10 +225,10 @@ def test_a_trainer_whose_catch_up_loads_nothing_goes_on_alone_only_after_new_fut
     as future_version since the last look; then the trainer advances past the orphaned version and holds it."""
     from types import SimpleNamespace
 
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord, PolicyRecord
     from echo_p2p.roles.trainer_catchup import CatchUp
-    from echo_p2p.transport.trust import RunTrust, TrustedTrainers
 
     dead, me = (str(load_or_create_identity(None).peer_id) for _ in range(2))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
+from echo_p2p.guard import trust
+from echo_p2p.guard.trust import TrustedTrainers, TrustFileError, check_manifest
 from echo_p2p.net.identity import peer_id_from_rsa
-from echo_p2p.transport import trust
-from echo_p2p.transport.trust import TrustedTrainers, TrustFileError, check_manifest
 from echo_p2p.weights import ChunkInfo, Manifest, ParamInfo
 
 

@@ -7,7 +7,7 @@ that peer id is trusted, and ``Manifest.verify`` passes with the key. Failures r
 receiver counts them); nothing here raises on bad input from peers.
 
 File format: one entry per line; ``#`` starts a comment; blank lines are ignored. An entry is either an
-OpenSSH RSA public key (``ssh-rsa AAAA... [comment]``, what ``python -m echo_p2p.transport.trust
+OpenSSH RSA public key (``ssh-rsa AAAA... [comment]``, what ``python -m echo_p2p.guard.trust
 IDENTITY_FILE`` prints for a trainer) or a libp2p peer id (``Qm...``/``12D3...``, base58). A peer id pins
 the key just as well, because the peer id is the hash of the key and every manifest carries its key.
 ``RunTrust`` is what peers hold: that file, or the run owner's signed run record (``echo_p2p.net.run_record``),
@@ -231,7 +231,7 @@ def trainer_key_line(identity) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Print the trusted-trainers line of a trainer's identity file (creates nothing)."""
     parser = argparse.ArgumentParser(
-        prog="python -m echo_p2p.transport.trust",
+        prog="python -m echo_p2p.guard.trust",
         description="Print the line to add to a run's --trusted-trainers file for this trainer identity.",
     )
     parser.add_argument("identity_path", help="the trainer's identity file (its --identity-path)")

@@ -1,0 +1,1 @@
+"""A trainer's and an inference peer's defences against strangers (filled in as the modules move here)."""
