@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from echo_p2p.roles.trainer_intake import AsyncIntake, open_journal
 from echo_p2p.train.buffer import AddResult, ReplayBuffer
 from echo_p2p.train.journal import JOURNAL_NAME, IntakeJournal
-from tests.unit.train.conftest import make_group
+from tests.unit.conftest import make_group
 
 
 def _g(i: int, version: int = 0):
