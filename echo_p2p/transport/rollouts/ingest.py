@@ -46,12 +46,12 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind's ServicerBase n
 
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 
+from echo_p2p.guard.quota import PeerQuotas
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.train.buffer import AddResult, ReplayBuffer
 from echo_p2p.train.pacing import Pacer
 from echo_p2p.train.scored import ScoredGroup
-from echo_p2p.transport.quota import PeerQuotas
 from echo_p2p.transport.rollouts.config import IngestServerConfig
 from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 from echo_p2p.transport.streams import until_closed

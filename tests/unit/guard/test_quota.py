@@ -6,9 +6,9 @@ import asyncio
 
 from hivemind.p2p import P2P
 
+from echo_p2p.guard.quota import PeerQuotas, TokenBucket
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.transport.quota import PeerQuotas, TokenBucket
 from echo_p2p.transport.rollouts.config import IngestServerConfig
 from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
 
