@@ -52,7 +52,7 @@ class Completion(BaseModel):
 
 class Sampling(BaseModel):
     """How a group's completions were sampled. The trainer computes its log-probs under the same distribution
-    (temperature, top-k, top-p) and refuses settings the run does not allow (``train.ingest``)."""
+    (temperature, top-k, top-p) and refuses settings the run does not allow (``guard.rollout_checks``)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 

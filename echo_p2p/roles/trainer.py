@@ -80,6 +80,7 @@ class TrainerPeer(BasePeer):
         import torch
 
         from echo_p2p.collab.optimizer import CollabTrainerStep, make_collab_optimizer
+        from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
         from echo_p2p.roles.trainer_guard import SenderGuard
@@ -87,7 +88,6 @@ class TrainerPeer(BasePeer):
         from echo_p2p.train.buffer import ReplayBuffer, recommended_capacity
         from echo_p2p.train.checkpoint import CheckpointManager
         from echo_p2p.train.evaluation import Evaluator
-        from echo_p2p.train.ingest import IngestConfig, IngestValidator
         from echo_p2p.train.learner import Learner
         from echo_p2p.train.reference import reference_policy
         from echo_p2p.transport.p2p_loop import P2PLoop

@@ -11,7 +11,7 @@ may be negative or above 1.
 
 Held-out split: every task sets aside prompt ids for evaluation only (``held_out_ids``). No sampler draws
 them (``sample_prompt_ids`` draws the others: inference peers, sync trainers' requests, the co-located
-loop) and a trainer's ingest refuses a group on one (``held_out``, ``train.ingest``); the publishing trainer
+loop) and a trainer's ingest refuses a group on one (``held_out``, ``guard.rollout_checks``); the publishing trainer
 and the co-located loop score them (``train.evaluation``). The default rule: a task of ``n`` prompts holds
 out ``n // HELD_OUT_EVERY`` ids spread evenly over ``0 .. n - 1`` (none when ``n < HELD_OUT_EVERY``); a task
 of unbounded ids holds out the top ``UNBOUNDED_HELD_OUT`` ids of ``0 .. 2**31 - 1``. A task may override it
@@ -53,7 +53,7 @@ class Task(ABC):
     the task's options, so a trainer rebuilds any prompt from the id a rollout carries. A reward is a finite
     float within ``rollout.MAX_ABS_REWARD`` of 0 (any scale: GRPO normalises it per group), and a pure
     function of the prompt id, the completion text and its token ids: the trainer re-scores every completion
-    and refuses a claim that differs (``train.ingest``).
+    and refuses a claim that differs (``guard.rollout_checks``).
     """
 
     #: Registry name of the task (a rollout's ``task`` field).

@@ -11,6 +11,7 @@ import uuid
 import pytest
 from hivemind.p2p import P2P
 
+from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
 from echo_p2p.ml.tokenizer import build_char_tokenizer, encode_prompts
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import load_or_create_identity
@@ -22,7 +23,6 @@ from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.tasks import build_task
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.train.ingest import IngestConfig, IngestValidator
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
 from echo_p2p.transport.rollouts.config import IngestServerConfig, PusherConfig, rollout_namespace
 from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer

@@ -97,9 +97,9 @@ def test_a_group_sampled_from_a_conversational_task_passes_the_trainers_ingest(t
     validator rebuilds the ids from the prompt id and re-scores: every group is accepted, with the rewards
     the sampler claimed. A group whose prompt was encoded as bare text is refused as ``prompt_mismatch``."""
     from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
+    from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
     from echo_p2p.ml.models import ModelSpec, load_tokenizer
     from echo_p2p.ml.tokenizer import encode_prompts
-    from echo_p2p.train.ingest import IngestConfig, IngestValidator
     from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 
     options = {
@@ -138,8 +138,8 @@ def test_a_group_sampled_from_a_conversational_task_passes_the_trainers_ingest(t
 
 def test_a_conversational_task_on_a_model_without_chat_template_is_refused_at_start(tmp_path):
     from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
+    from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
     from echo_p2p.ml.tokenizer import build_char_tokenizer
-    from echo_p2p.train.ingest import IngestConfig, IngestValidator
 
     options = {"reward": f"{MODULE}:chat_answer", "prompts": write_rows(tmp_path / "p.jsonl", ROWS)}
     with pytest.raises(ValueError, match="chat template, and this model's tokenizer has none"):

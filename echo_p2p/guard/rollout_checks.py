@@ -1,11 +1,12 @@
-"""Validation of untrusted rollout groups before they reach a trainer's replay buffer.
+"""Rollout checks: validation of untrusted rollout groups before they reach a trainer's replay buffer.
 
-Owned here: ``IngestConfig`` (the limits a trainer enforces) and ``IngestValidator``, which checks schema, sizes, token ranges, log-probs, versions and the prompt (rebuilt
-from its id), then re-scores every completion with the task's own verifier: the claimed reward is never
-trusted, it is only compared with the re-score to catch forgers. Called by the trainer peer, through the
-rollout transport (``echo_p2p.transport.rollouts.ingest`` async, ``rollouts.pull`` sync).
-Must not import hivemind or torch, and must never raise on bad input: every problem is a ``Rejection``
-(the refusal codes are the wire's: ``transport.rollouts.refusals``).
+Owned here: ``IngestConfig`` (the limits a trainer enforces) and ``IngestValidator``, which checks schema,
+sizes, token ranges, log-probs, versions and the prompt (rebuilt from its id), then re-scores every
+completion with the task's own verifier: the claimed reward is never trusted, it is only compared with the
+re-score to catch forgers (``reward_matches``). Called by the trainer peer, through the rollout transport
+(``echo_p2p.transport.rollouts.ingest`` async, ``rollouts.pull`` sync). Must not import hivemind or torch,
+and must never raise on bad input: every problem is a ``Rejection`` (the refusal codes are the wire's:
+``transport.rollouts.refusals``).
 """
 
 from __future__ import annotations
