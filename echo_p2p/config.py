@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from echo_p2p.collab.optimizer import CollabOptimizerConfig
+from echo_p2p.guard.reputation import ReputationConfig
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.engine_vllm import VllmEngineConfig
 from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
@@ -36,7 +37,6 @@ from echo_p2p.roles.watchdog import WatchdogConfig
 from echo_p2p.train.config import GRPOConfig
 from echo_p2p.train.evaluation import EvalConfig
 from echo_p2p.train.pacing import PacingConfig
-from echo_p2p.train.reputation import ReputationConfig
 from echo_p2p.train.trackers import ReportConfig
 from echo_p2p.transport.rollouts.config import (
     IngestServerConfig,

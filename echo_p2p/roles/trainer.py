@@ -67,7 +67,7 @@ class TrainerPeer(BasePeer):
         self.publisher = None
         self.loop = None
         self.ingest = None
-        self.guard = None  # roles.trainer_guard.SenderGuard: log-prob checks and bans
+        self.guard = None  # guard.sender_guard.SenderGuard: log-prob checks and bans
         self.intake = None  # where batches come from: a SyncIntake or an AsyncIntake
         self.checkpoints = None
         self._policy_files: dict[str, bytes] | None = None  # attached to every checkpoint (export)
@@ -81,9 +81,9 @@ class TrainerPeer(BasePeer):
 
         from echo_p2p.collab.optimizer import CollabTrainerStep, make_collab_optimizer
         from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
+        from echo_p2p.guard.sender_guard import SenderGuard
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
-        from echo_p2p.roles.trainer_guard import SenderGuard
         from echo_p2p.tasks import build_task
         from echo_p2p.train.buffer import ReplayBuffer, recommended_capacity
         from echo_p2p.train.checkpoint import CheckpointManager

@@ -95,7 +95,7 @@ class GRPOConfig(BaseModel):
         default=16,
         ge=0,
         description="Sequences of each batch re-scored after an update that makes a new version, to measure "
-        "how far the policy moved (``Learner.measure_drift``; ``train.drift``): one small forward pass per "
+        "how far the policy moved (``Learner.measure_drift``; ``guard.drift``): one small forward pass per "
         "version. 0: not measured (stale groups are then not judged by their log-prob gap).",
     )
     kl_beta: float = Field(

@@ -161,7 +161,7 @@ class Learner:
         (every ``.grad`` zeroed) and ``nonfinite`` = 1: the caller must not step.
 
         ``gap_allowance`` (one per group): how far the policy moved since the group was sampled
-        (``train.drift``), added to ``max_logprob_gap`` for its completions; None for a group: unknown, none
+        (``guard.drift``), added to ``max_logprob_gap`` for its completions; None for a group: unknown, none
         of its completions is left out.
 
         ``current_version``: the policy version being trained (the rows' staleness is measured from it), for

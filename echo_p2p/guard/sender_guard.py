@@ -3,8 +3,8 @@
 Owned here: ``SenderGuard``, which the trainer peer feeds after every step with the groups it trained on
 and the learner's per-group log-prob gaps (``Learner.last_group_gaps``; completions above the gap were
 already left out of the loss), each allowed as much more as the trainer's own policy moved since the
-group's version (``train.drift``: the trainer records every update's measured movement in ``drift``).
-Repeat offenders are banned (``train.reputation``): the ingest refuses their pushes before reading them and
+group's version (``guard.drift``: the trainer records every update's measured movement in ``drift``).
+Repeat offenders are banned (``guard.reputation``): the ingest refuses their pushes before reading them and
 their groups leave the buffer. The guard publishes this trainer's bans on
 the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
 trainers shares none: anyone could ban an honest peer). Every DHT call is bounded by the directory.
@@ -16,9 +16,9 @@ import logging
 from collections import Counter
 from typing import Any
 
+from echo_p2p.guard.drift import PolicyDrift
+from echo_p2p.guard.reputation import Reputation, ReputationConfig
 from echo_p2p.net.records import Ban, BanRecord
-from echo_p2p.train.drift import PolicyDrift
-from echo_p2p.train.reputation import Reputation, ReputationConfig
 
 logger = logging.getLogger(__name__)
 

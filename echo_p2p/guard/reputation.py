@@ -4,7 +4,7 @@ A trainer recomputes the log-prob of every token it trains on; a sampler reports
 each token with. At the same policy the two agree (to rounding); a stale or quantised sampler differs by a
 little; a sampler that makes them up differs by a lot. ``Reputation`` records, per sender, each group's
 mean |gap| per token (``Learner.last_group_gaps``): a group above ``max_logprob_gap`` plus its allowance (how
-far the trainer's own policy moved since the group's version, ``train.drift``) is a strike (a completion
+far the trainer's own policy moved since the group's version, ``guard.drift``) is a strike (a completion
 above ``exclude_logprob_gap`` plus the allowance was already left out of the loss), ``strikes`` of them
 within ``window`` seconds ban the sender for ``ban_seconds`` when they are also at least ``ban_fraction`` of
 its last ``recent_groups`` groups (an update can move a few groups' log-probs, those with rare tokens, far
@@ -35,7 +35,7 @@ class ReputationConfig(BaseModel):
         default=2.0,
         gt=0,
         description="Largest mean |behaviour - trainer log-prob| per token (nats) over a group's tokens, on "
-        "top of how far the trainer's own policy moved since the group's version (train.drift); above it the "
+        "top of how far the trainer's own policy moved since the group's version (guard.drift); above it the "
         "group is a strike against its sender. Honest fp32, 8-bit and 4-bit samplers up to "
         "max_staleness versions behind stay well below (docs/security.md). None: no strikes.",
     )
@@ -89,7 +89,7 @@ class Reputation:
     def record(self, sender: str, gap: float, allowance: float = 0.0, now: float | None = None) -> bool:
         """One group of ``sender`` whose mean log-prob gap per token was ``gap``, judged against
         ``max_logprob_gap`` plus ``allowance`` (how far the policy itself moved since the group was sampled:
-        ``train.drift``); True when this bans the sender."""
+        ``guard.drift``); True when this bans the sender."""
         limit = self.config.max_logprob_gap
         if not sender or limit is None:
             return False

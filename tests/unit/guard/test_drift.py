@@ -1,4 +1,4 @@
-"""The trainer's measure of its own policy's movement (``train.drift``, ``Learner.measure_drift``)."""
+"""The trainer's measure of its own policy's movement (``guard.drift``, ``Learner.measure_drift``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from echo_p2p.train.drift import PolicyDrift
+from echo_p2p.guard.drift import PolicyDrift
 from echo_p2p.train.learner import GRPOConfig, Learner
 
 
