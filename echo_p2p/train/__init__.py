@@ -1,4 +1,5 @@
-"""GRPO training, pure ML (no networking): what a trainer learns from, how, and what it refuses.
+"""GRPO training, pure ML (no networking): what a trainer learns from and how (what it refuses is
+``echo_p2p.guard``).
 
 - ``config``: ``GRPOConfig``, the update's hyper-parameters (validated without torch).
 - ``grpo``: advantages, per-token log-probs, the clipped GRPO loss and its KL term (pure functions).
@@ -9,8 +10,6 @@
 - ``scored``: ``ScoredGroup``, a validated group with the rewards the trainer re-computed.
 - ``buffer``: ``ReplayBuffer`` (staleness policy); pure Python, no torch.
 - ``pacing``: how many groups a trainer grants each sender (the async swarm's pacing rule).
-- ``ingest``: validation of untrusted rollout groups (shapes, versions, re-scored rewards, held-out prompts).
-- ``reputation``, ``drift``: senders' log-prob checks, strikes and bans; how far the policy itself moved.
 - ``journal``: acknowledged groups on disk until used (a killed trainer loses none).
 - ``checkpoint``: atomic policy + optimizer checkpoints.
 - ``evaluation``: held-out evaluation on a schedule with a time budget.
