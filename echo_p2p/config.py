@@ -219,7 +219,10 @@ class TrainerSection(StrictModel):
         description="Async: grant inference peers only what will be trained on within max_staleness",
     )
     buffer_capacity: int | None = Field(
-        default=None, ge=1, description="Replay buffer size in groups (None: from batch and staleness)"
+        default=None,
+        ge=1,
+        description="Replay buffer size in groups (None: from batch, staleness and the inference peers that "
+        "pushed to this trainer recently)",
     )
     reward_tolerance: float = Field(
         default=1e-3,

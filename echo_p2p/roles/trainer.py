@@ -85,7 +85,7 @@ class TrainerPeer(BasePeer):
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
         from echo_p2p.tasks import build_task
-        from echo_p2p.train.buffer import ReplayBuffer, recommended_capacity
+        from echo_p2p.train.buffer import ReplayBuffer
         from echo_p2p.train.checkpoint import CheckpointManager
         from echo_p2p.train.evaluation import Evaluator
         from echo_p2p.train.learner import Learner
@@ -182,17 +182,12 @@ class TrainerPeer(BasePeer):
             ),
         )
         if self.config.mode == "async":
-            from echo_p2p.roles.trainer_intake import AsyncIntake, open_journal
+            from echo_p2p.roles.trainer_intake import AsyncIntake, async_buffer_capacity, open_journal
             from echo_p2p.rollout import RolloutGroup
-            from echo_p2p.transport.rollouts.config import PusherConfig
             from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
 
-            capacity = section.buffer_capacity or recommended_capacity(
-                section.prompts_per_step,
-                section.max_staleness,
-                num_inference_peers=8,
-                groups_per_push=PusherConfig().batch_groups,
-            )
+            # sized for one sender until the ingest sees more (``on_heartbeat`` resizes it)
+            capacity = async_buffer_capacity(section, senders=0)
             self.buffer = ReplayBuffer(capacity, section.max_staleness, order=section.buffer_order)
             # a group within this trainer's shape limits takes at most this many bytes: bigger ones are
             # refused from their frame header, never parsed (3.1 M token ids fitted the fixed 3 MiB cap)
@@ -410,6 +405,10 @@ class TrainerPeer(BasePeer):
     def on_heartbeat(self) -> None:
         self._update_publisher_role()
         self.guard.share(self.directory, self.config.record_ttl)
+        if self.ingest is not None:  # async: room for the pushes of the senders it sees
+            from echo_p2p.roles.trainer_intake import async_buffer_capacity
+
+            self.buffer.resize(async_buffer_capacity(self.section, self.ingest.active_senders()))
 
     def _update_publisher_role(self, log: bool = False) -> None:
         """Re-elect the publisher from the directory (on the heartbeat, not on every training step)."""

@@ -4,7 +4,8 @@ Owned here: ``SyncIntake`` — pick the step's prompts, ask inference peers to s
 policy version (``transport.rollouts.pull.SampleClient``), validate every group as it arrives and count the
 refusals — and ``AsyncIntake`` — batches from the replay buffer that the ingest servicer fills, and the
 journal of acknowledged groups (``train.journal``): a group is settled once a version it was used for is
-reached, and a trainer restarted with ``--resume`` puts the unsettled ones back in its buffer.
+reached, and a trainer restarted with ``--resume`` puts the unsettled ones back in its buffer;
+``async_buffer_capacity``, the buffer's size for the inference peers that push to the trainer.
 Called by ``roles.trainer``: ``collect(version)`` once per step in both modes.
 """
 
@@ -16,6 +17,9 @@ import random
 import threading
 from collections import Counter
 from typing import Any
+
+from echo_p2p.train.buffer import recommended_capacity
+from echo_p2p.transport.rollouts.config import PusherConfig
 
 #: Seconds the async loop waits on the buffer before counting the time as idle and looking again.
 TAKE_WAIT = 0.5
@@ -103,6 +107,21 @@ class SyncIntake:
         pass
 
 
+def async_buffer_capacity(section: Any, senders: int) -> int:
+    """The async replay buffer's size: ``trainer.buffer_capacity`` when set, else ``recommended_capacity`` for
+    the inference peers pushing to this trainer. ``senders`` is how many it accepted groups from recently
+    (the ingest's ``active_senders``), counted as at least 1 and at most the ingest's ``max_streams`` (no more
+    pushes can be in flight at once)."""
+    if section.buffer_capacity:
+        return section.buffer_capacity
+    return recommended_capacity(
+        section.prompts_per_step,
+        section.max_staleness,
+        num_inference_peers=min(max(1, senders), section.ingest_server.max_streams),
+        groups_per_push=PusherConfig().batch_groups,
+    )
+
+
 def open_journal(section: Any) -> Any:
     """The intake journal next to the checkpoints (``trainer.journal``; None without a ``checkpoint_dir``):
     to be read back by ``AsyncIntake.recover`` with ``--resume``, else started empty."""
@@ -170,6 +189,8 @@ class AsyncIntake:
         from echo_p2p.train.buffer import AddResult
 
         groups = self.journal.recover()  # still on disk until settled, whatever happens next
+        if len(groups) > self.buffer.capacity:  # sized before any sender is seen: room for every one
+            self.buffer.resize(len(groups))
         self.buffer.journal = None  # they are in the journal already
         try:
             results = [(g.rollout_id, self.buffer.add(g, version)) for g in groups]

@@ -28,8 +28,10 @@ groups each. Hence::
     capacity = ceil(B / reuse) * (max_staleness + 1) + N * k        (see ``recommended_capacity``)
 
 With several trainers sharing the inference swarm, ``N`` is the number of peers that may push to this
-trainer. ``free_room()`` is the back-pressure signal: inference peers push to a trainer with room and pause
-(or sample more slowly) when no trainer has any, instead of producing rollouts that would expire.
+trainer: the trainer counts the senders whose groups it accepted recently and calls ``resize`` (a resize
+never drops a group). ``free_room()`` is the back-pressure signal: inference peers push to a trainer with
+room and pause (or sample more slowly) when no trainer has any, instead of producing rollouts that would
+expire.
 """
 
 from __future__ import annotations
@@ -238,11 +240,22 @@ class ReplayBuffer:
         with self._cond:
             return self._num_usable(current_version)
 
+    def resize(self, capacity: int) -> None:
+        """Hold at most ``capacity`` groups from now on (the trainer sizes it by the senders it sees).
+
+        A resize never drops a group: a buffer holding more than its new capacity keeps them, has no free
+        room, and evicts one for each one added until training has taken it below.
+        """
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        with self._cond:
+            self.capacity = capacity
+
     # ---- announcements and stats -------------------------------------------------------------------------
     def free_room(self) -> int:
         """Groups that can be added before anything is evicted (trainers announce it on the DHT)."""
         with self._cond:
-            return self.capacity - len(self._heap)
+            return max(0, self.capacity - len(self._heap))
 
     def __len__(self) -> int:
         with self._cond:
@@ -280,7 +293,7 @@ class ReplayBuffer:
             return BufferStats(
                 size=len(self._heap),
                 capacity=self.capacity,
-                free_room=self.capacity - len(self._heap),
+                free_room=max(0, self.capacity - len(self._heap)),
                 per_version=dict(sorted(self._per_version.items())),
                 added=self._added,
                 duplicates=self._duplicates,

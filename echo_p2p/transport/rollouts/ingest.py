@@ -527,14 +527,23 @@ class RolloutIngestServicer(ServicerBase):
             while len(self._active) > self.config.max_tracked_senders:
                 self._active.popitem(last=False)
 
+    def active_senders(self) -> int:
+        """Senders with a group accepted into the buffer within ``active_sender_window`` seconds."""
+        with self._lock:
+            return self._active_count()
+
+    def _active_count(self, sender: str | None = None) -> int:
+        """``active_senders`` (caller holds the lock), counting ``sender`` as one if it is not among them."""
+        cutoff = time.monotonic() - self.config.active_sender_window
+        while self._active and next(iter(self._active.values())) < cutoff:
+            self._active.popitem(last=False)
+        return len(self._active) + (sender is not None and sender not in self._active)
+
     def _sender_share(self, sender: str) -> int:
         """Buffer entries one sender may hold: an equal part of the capacity among the active senders and one
         more (room is always left for a newcomer: the first sender cannot take the whole buffer)."""
-        cutoff = time.monotonic() - self.config.active_sender_window
         with self._lock:
-            while self._active and next(iter(self._active.values())) < cutoff:
-                self._active.popitem(last=False)
-            active = len(self._active) + (sender not in self._active)
+            active = self._active_count(sender)
         capacity = getattr(self.buffer, "capacity", 0)
         return max(self.config.min_sender_share, capacity // (active + 1))
 

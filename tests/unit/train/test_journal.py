@@ -160,3 +160,19 @@ def test_async_intake_settles_a_batch_once_its_version_is_reached_and_recovers_t
 def test_no_journal_without_a_checkpoint_dir_or_when_turned_off(tmp_path) -> None:
     assert open_journal(SimpleNamespace(checkpoint_dir=None, journal=True, resume=False)) is None
     assert open_journal(SimpleNamespace(checkpoint_dir=str(tmp_path), journal=False, resume=True)) is None
+
+
+def test_a_restarted_trainer_buffers_every_recovered_group_even_beyond_its_starting_size(tmp_path) -> None:
+    section = _section(tmp_path, resume=False)
+    buf = ReplayBuffer(capacity=8, max_staleness=1)
+    intake = AsyncIntake(buf, section, open_journal(section))
+    intake.recover(0)
+    for i in range(8):
+        buf.add(_g(i, version=0))
+    intake.close()
+    # restarted before any sender is seen: its buffer starts smaller than the one it had
+    again = AsyncIntake(ReplayBuffer(capacity=3, max_staleness=1), _section(tmp_path, resume=True), None)
+    again.journal = open_journal(_section(tmp_path, resume=True))
+    again.recover(0)
+    assert again.recovered == 8 and len(again.buffer) == 8 and again.buffer.stats().evicted == 0
+    again.close()

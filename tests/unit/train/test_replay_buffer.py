@@ -157,6 +157,24 @@ def test_concurrent_add_and_take_lose_nothing(scored_group) -> None:
     assert st.duplicates == n_threads * (per_thread // 3) and st.size == 0 and st.per_version == {}
 
 
+def test_a_resize_never_drops_a_group_and_a_smaller_buffer_fills_no_further(g) -> None:
+    buf = ReplayBuffer(capacity=2, max_staleness=10)
+    buf.add(g(1, "a"))
+    buf.add(g(1, "b"))
+    buf.resize(4)  # more senders seen: more room at once
+    assert buf.free_room() == 2
+    buf.add(g(2, "c"))
+    buf.add(g(2, "d"))
+    buf.resize(2)  # fewer senders: nothing is dropped, there is no room
+    assert len(buf) == 4 and buf.free_room() == 0 and buf.stats().evicted == 0
+    assert buf.add(g(3, "e")) is AddResult.ADDED  # one in, the oldest out: no growth above the old size
+    assert len(buf) == 4 and buf.stats().evicted == 1
+    assert _ids(buf.take(3, current_version=3)) == ["b", "c", "d"]
+    assert buf.free_room() == 1
+    with pytest.raises(ValueError):
+        buf.resize(0)
+
+
 def test_recommended_capacity() -> None:
     assert recommended_capacity(batch_groups=16, max_staleness=0, num_inference_peers=4) == 20
     assert recommended_capacity(16, 2, 4, groups_per_push=2) == 56
