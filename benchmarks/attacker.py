@@ -169,7 +169,7 @@ class Attacker:
 
     def _maker(self, attack: str):
         from echo_p2p.ml.models import ModelSpec, load_policy
-        from echo_p2p.tasks import build_task
+        from echo_p2p.tasks.registry import build_task
 
         task = build_task(self.args.task)
         _, tokenizer = load_policy(ModelSpec(preset=self.args.model))

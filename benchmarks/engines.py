@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from echo_p2p.ml.engine import Engine, SamplingParams, TransformersEngine  # noqa: E402
 from echo_p2p.ml.models import ModelSpec, full_precision_state_dict, load_policy  # noqa: E402
 from echo_p2p.ml.tokenizer import encode_prompts  # noqa: E402
-from echo_p2p.tasks import build_task  # noqa: E402
+from echo_p2p.tasks.registry import build_task  # noqa: E402
 from echo_p2p.train.grpo import token_logprobs  # noqa: E402
 
 ARMS = ("transformers", "transformers-8bit", "transformers-4bit", "vllm")

@@ -57,7 +57,7 @@ from echo_p2p.ml.models import ModelNotFoundError, ModelSpec, load_policy, quant
 from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.roles.inference import InferencePeer
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.batching import split_micro_batches
 from echo_p2p.train.grpo import token_logprobs
 from echo_p2p.train.learner import Learner, _forward_logits

@@ -44,8 +44,9 @@ def arm(model: str, kl_beta: float, sequences: int, tokens: int) -> dict:
     from echo_p2p.ml.models import ModelSpec, load_policy
     from echo_p2p.ml.tokenizer import encode_prompts
     from echo_p2p.rollout import Completion, RolloutGroup
-    from echo_p2p.tasks import build_task
-    from echo_p2p.train.learner import GRPOConfig, Learner
+    from echo_p2p.tasks.registry import build_task
+    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.learner import Learner
     from echo_p2p.train.reference import reference_policy
     from echo_p2p.train.scored import ScoredGroup
 

@@ -110,7 +110,7 @@ def record_main(argv: list[str]) -> None:
     from echo_p2p.ml.models import load_policy
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.roles.inference import InferencePeer
-    from echo_p2p.tasks import build_task
+    from echo_p2p.tasks.registry import build_task
 
     torch.set_num_threads(1)
     config = PeerConfig(

@@ -123,7 +123,7 @@ def _trainer_loop(dht, identity, keys, args, maddrs) -> None:
     import torch
 
     from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
-    from echo_p2p.weights import EncodingConfig
+    from echo_p2p.weights.config import EncodingConfig
 
     sys.path.insert(0, str(HERE))
     from weights_codec import build_model, named_tensors
@@ -176,7 +176,8 @@ def _warm_up_decoder() -> None:
     """Decode a tiny int8-delta version once, so that importing bitsandbytes is not timed."""
     import torch
 
-    from echo_p2p.weights import EncodingConfig, VersionAssembler, WeightEncoder
+    from echo_p2p.weights.codec import VersionAssembler, WeightEncoder
+    from echo_p2p.weights.config import EncodingConfig
 
     encoder = WeightEncoder(EncodingConfig(), run_id="warm-up", publisher="warm-up")
     weights = None
@@ -192,7 +193,8 @@ def _peer_loop(dht, identity, keys, args) -> None:
     from hivemind.p2p import PeerID
 
     from echo_p2p.guard.trust import TrustedTrainers
-    from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
+    from echo_p2p.transport.weights.config import FetcherConfig
+    from echo_p2p.transport.weights.fetcher import WeightFetcher
 
     _warm_up_decoder()
     _reply(dict(ready=True, peer_id=identity.peer_id))

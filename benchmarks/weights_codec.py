@@ -25,15 +25,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
-from echo_p2p.weights import (
-    EncodedVersion,
-    EncodingConfig,
-    PolicyWeights,
-    VersionAssembler,
-    WeightEncoder,
-    load_into_model,
-    named_tensors,
-)
+from echo_p2p.weights.codec import EncodedVersion, VersionAssembler, WeightEncoder
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.model_io import PolicyWeights, load_into_model, named_tensors
 
 ENCODINGS = ("fp32", "bf16", "int8", "int8-delta")
 

@@ -140,7 +140,7 @@ class ColocatedTrainer:
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
         from echo_p2p.ml.tokenizer import check_chat_template
-        from echo_p2p.tasks import build_task
+        from echo_p2p.tasks.registry import build_task
         from echo_p2p.train.evaluation import Evaluator
         from echo_p2p.train.learner import Learner
         from echo_p2p.train.reference import reference_policy

@@ -83,7 +83,8 @@ class RunSettings(StrictModel):
     @model_validator(mode="after")
     def _task(self) -> RunSettings:
         """Unknown tasks and bad task options fail here, before any network start."""
-        from echo_p2p.tasks import TaskError, task_options_model
+        from echo_p2p.tasks.base import TaskError
+        from echo_p2p.tasks.registry import task_options_model
 
         try:
             task_options_model(self.task).model_validate(self.task_options)

@@ -62,10 +62,11 @@ class InferencePeer(BasePeer):
     def on_start(self) -> None:
         from echo_p2p.ml.models import load_policy
         from echo_p2p.ml.tokenizer import check_chat_template
-        from echo_p2p.tasks import build_task
+        from echo_p2p.tasks.registry import build_task
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollouts.config import rollout_namespace
-        from echo_p2p.transport.weights.fetcher import FetcherConfig, WeightFetcher
+        from echo_p2p.transport.weights.config import FetcherConfig
+        from echo_p2p.transport.weights.fetcher import WeightFetcher
 
         run, section = self.config.run, self.section
         if section.threads:
@@ -115,7 +116,7 @@ class InferencePeer(BasePeer):
             self.pusher.start()
             self.fetcher.follow(on_update=self._load)
         else:
-            from echo_p2p.transport.rollouts.pull import SampleServicer
+            from echo_p2p.transport.rollouts.sample import SampleServicer
 
             self.sample_server = SampleServicer(
                 {self.task.name: self.task},

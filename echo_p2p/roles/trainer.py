@@ -84,7 +84,7 @@ class TrainerPeer(BasePeer):
         from echo_p2p.guard.sender_guard import SenderGuard
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
-        from echo_p2p.tasks import build_task
+        from echo_p2p.tasks.registry import build_task
         from echo_p2p.train.buffer import ReplayBuffer
         from echo_p2p.train.checkpoint import CheckpointManager
         from echo_p2p.train.evaluation import Evaluator
@@ -426,7 +426,7 @@ class TrainerPeer(BasePeer):
         weights and encodes, signs and announces them in the publisher's worker thread while training
         goes on; while one publish is in flight newer versions wait, and only the newest goes out next.
         """
-        from echo_p2p.weights import named_tensors
+        from echo_p2p.weights.model_io import named_tensors
 
         version = self.policy_version or 0
         if not self.is_publisher or self._published_version == version:

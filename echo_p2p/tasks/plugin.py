@@ -24,17 +24,10 @@ from pydantic import Field, model_validator
 from echo_p2p.paths import UserPath
 from echo_p2p.rollout import MAX_ABS_REWARD
 from echo_p2p.tasks.base import Task, TaskOptions
-from echo_p2p.tasks.plugin_loader import PluginError, RewardFunction, load_prompt_rows, load_reward_function
+from echo_p2p.tasks.plugin_loader import PluginError, load_prompt_rows, load_reward_function
 from echo_p2p.tasks.plugin_rewards import DROPPED_COLUMNS, PASSED_ARGUMENTS, RewardSum, reward_term
 
-__all__ = [
-    "PluginError",
-    "PluginOptions",
-    "PluginTask",
-    "RewardFunction",
-    "load_prompt_rows",
-    "load_reward_function",
-]
+__all__ = ["PluginOptions", "PluginTask"]
 
 RewardWeight = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)]
 

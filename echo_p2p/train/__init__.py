@@ -15,40 +15,6 @@
 - ``evaluation``: held-out evaluation on a schedule with a time budget.
 - ``trackers``: TensorBoard / wandb figures under TRL's names.
 
-Used by the trainer peer and the co-located loop. Names are re-exported lazily, so
-``import echo_p2p.train.buffer`` (the trainer's ingest path) never imports torch.
+Used by the trainer peer and the co-located loop. Names are imported from the module that defines them;
+nothing is imported here, so ``import echo_p2p.train.buffer`` (the trainer's ingest path) never imports torch.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "ScoredGroup": "scored",
-    "ReplayBuffer": "buffer",
-    "AddResult": "buffer",
-    "BufferStats": "buffer",
-    "recommended_capacity": "buffer",
-    "Batch": "batching",
-    "build_batch": "batching",
-    "split_micro_batches": "batching",
-    "group_advantages": "grpo",
-    "token_logprobs": "grpo",
-    "grpo_loss": "grpo",
-    "GRPOConfig": "learner",
-    "Learner": "learner",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -1,8 +1,8 @@
 """Weight codec: turns policy versions into manifests + chunks (publisher) and back into weights (receiver).
 
-Owned here: `EncodingConfig`; `WeightEncoder`, which keeps the error-feedback shadow of an int8-delta
-stream and decides keyframes; `VersionAssembler`, which collects verified chunks of one version and applies
-it, streaming chunk by chunk, only when every chunk is present. `PolicyWeights` and the model helpers
+Owned here: `WeightEncoder` (configured by `config.EncodingConfig`), which keeps the error-feedback shadow
+of an int8-delta stream and decides keyframes; `VersionAssembler`, which collects verified chunks of one
+version and applies it, streaming chunk by chunk, only when every chunk is present. `PolicyWeights` and the model helpers
 `named_tensors` / `load_into_model` live in `model_io`.
 Called by trainer peers (encode after each optimizer epoch) and inference peers (assemble, apply, load),
 with the networking layer moving manifests and chunks in between.

@@ -2,7 +2,7 @@
 
 Owned here: `PolicyWeights` (the tensors of one version of one publisher's stream), `named_tensors` (what a
 model publishes) and `load_into_model` (copy weights into a model, names and shapes checked first). Used by
-the codec (`codec`, which re-exports them), trainer and inference peers. Pure torch: no hivemind.
+the codec (`codec`), trainer and inference peers. Pure torch: no hivemind.
 """
 
 from __future__ import annotations

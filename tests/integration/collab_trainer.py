@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.rollout import Completion, RolloutGroup
-    from echo_p2p.tasks import build_task
-    from echo_p2p.train.learner import GRPOConfig, Learner
+    from echo_p2p.tasks.registry import build_task
+    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.learner import Learner
     from echo_p2p.train.scored import ScoredGroup
 
     model, tokenizer = build_tiny_policy(args.model_seed)

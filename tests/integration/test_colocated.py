@@ -76,7 +76,7 @@ def test_help_does_not_import_torch() -> None:
 def test_config_guards() -> None:
     from echo_p2p.colocated import ColocatedConfig
     from echo_p2p.ml.engine import SamplingParams
-    from echo_p2p.train.learner import GRPOConfig
+    from echo_p2p.train.config import GRPOConfig
 
     cfg = ColocatedConfig()
     assert isinstance(cfg.grpo, GRPOConfig) and cfg.grpo.lr == 1e-3 and cfg.steps == 300

@@ -21,19 +21,20 @@ from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
 from echo_p2p.net.records import PeerRecord
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollouts.config import IngestServerConfig, PusherConfig, rollout_namespace
-from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
-from echo_p2p.transport.rollouts.pull import (
-    SampleClient,
+from echo_p2p.transport.rollouts.config import (
+    IngestServerConfig,
+    PusherConfig,
     SampleClientConfig,
     SampleServerConfig,
-    SampleServicer,
-    spread_by_weight,
+    rollout_namespace,
 )
+from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
+from echo_p2p.transport.rollouts.pull import SampleClient, spread_by_weight
 from echo_p2p.transport.rollouts.push import RolloutPusher, push_payloads
+from echo_p2p.transport.rollouts.sample import SampleServicer
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(90)

@@ -1,5 +1,5 @@
-"""The package's layout rules, checked from the source: no import cycle at any level, every module opens
-with a docstring, none is over 600 lines.
+"""The package's layout rules, checked from the source: no import cycle at any level, one import path per
+name, every module opens with a docstring, none is over 600 lines.
 
 The import graph is read with ``ast``, so it holds every import an interpreter could run: module-level
 ones, those inside functions and methods, and those under ``if TYPE_CHECKING``. An edge goes to the most
@@ -152,6 +152,44 @@ def test_the_cycle_check_sees_function_level_and_type_checking_imports(tmp_path)
         "echo_p2p.train.buffer",
         "echo_p2p.net.node",
     }
+
+
+def _defined_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (classes, functions, assignments; under ``if``/``try`` too)."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", [])
+        elif isinstance(node, ast.ExceptHandler):
+            body += node.body
+    return names
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    """``from echo_p2p.X import N`` names the module that defines ``N`` (or ``N`` is a module of ``X``):
+    one import path per name, no re-exports."""
+    modules = _modules()
+    defined = {name: _defined_names(path) for name, path in modules.items()}
+    wrong = []
+    for folder in (PACKAGE, "tests", "benchmarks", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom) or node.level or node.module not in modules:
+                    continue
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in modules or alias.name in defined[node.module]:
+                        continue
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {alias.name} from {node.module}")
+    assert wrong == [], "names imported through a module that does not define them:\n" + "\n".join(wrong)
 
 
 def test_every_module_opens_with_a_docstring_and_stays_under_the_line_limit():

@@ -9,9 +9,9 @@ that did not come back. Once some peers delivered, a few that never did are trie
 keys are cheap, and a stranger's records of fast samplers at addresses where nobody answers would otherwise
 get most prompts of every round and hold each round for a dial timeout. It
 checks that what came back is what was asked (task, prompt, version, group
-size); the trainer then validates it like any rollout (``ingest``). The inference side, ``SampleServicer``
-and ``SampleError``, is ``rollouts.sample`` (re-exported here). Callers: the trainer and inference peers in
-sync mode. Must not import torch.
+size); the trainer then validates it like any rollout (``guard.rollout_checks``). The inference side,
+``SampleServicer`` and ``SampleError``, is ``rollouts.sample``. Callers: the trainer peer in sync mode.
+Must not import torch.
 """
 
 from __future__ import annotations
@@ -31,18 +31,10 @@ from typing import Any
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import RolloutGroup
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
-from echo_p2p.transport.rollouts.config import SampleClientConfig, SampleServerConfig  # re-exported
-from echo_p2p.transport.rollouts.sample import SampleError, SampleFn, SampleServicer  # re-exported
+from echo_p2p.transport.rollouts.config import SampleClientConfig
+from echo_p2p.transport.rollouts.sample import SampleServicer
 
-__all__ = [
-    "SampleClient",
-    "SampleClientConfig",
-    "SampleError",
-    "SampleFn",
-    "SampleServerConfig",
-    "SampleServicer",
-    "spread_by_weight",
-]
+__all__ = ["SampleClient", "spread_by_weight"]
 
 logger = logging.getLogger(__name__)
 #: Peers a sample client remembers as having delivered (the least recently delivering are forgotten).

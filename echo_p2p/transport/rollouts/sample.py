@@ -10,7 +10,7 @@ does the request take one of the ``max_concurrent`` sampling slots (injected ``s
 ``SampleResponse`` per group. Each requester has at most one request in progress; at most
 ``max_concurrent + max_waiting`` are in progress in all. A bad request gets one response with a reason
 (``SampleError``), is counted, and the peer keeps serving. Never raises. Callers: the inference peer
-(``roles/inference.py``), via ``rollouts.pull`` (which re-exports these names). Must not import torch;
+(``roles/inference.py``). Must not import torch;
 blocking calls run in worker threads, never in the event loop.
 """
 

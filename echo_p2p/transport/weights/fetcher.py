@@ -45,13 +45,9 @@ from echo_p2p.transport.weights.config import (  # re-exported, part of this API
 from echo_p2p.transport.weights.providers import MAX_TRACKED_PROVIDERS, ProviderBook
 from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint, manifest_digest
 from echo_p2p.transport.weights.session import _FetchSession
-from echo_p2p.weights import (
-    Manifest,
-    PolicyWeights,
-    VersionAssembler,
-    WeightsError,
-    merge_changes,
-)
+from echo_p2p.weights.codec import VersionAssembler, merge_changes
+from echo_p2p.weights.manifest import Manifest, WeightsError
+from echo_p2p.weights.model_io import PolicyWeights
 
 logger = logging.getLogger(__name__)
 

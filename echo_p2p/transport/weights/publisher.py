@@ -28,7 +28,9 @@ from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import MAX_RECORD_TTL, ManifestRef, PolicyRecord
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightsEndpoint
-from echo_p2p.weights import EncodingConfig, Manifest, WeightEncoder
+from echo_p2p.weights.codec import WeightEncoder
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from echo_p2p.transport.weights.config import FetchProgress
 from echo_p2p.transport.weights.providers import Source
 from echo_p2p.transport.weights.service import ServedVersion
 from echo_p2p.transport.weights.stream import RemoteError, StreamBroken, StreamState, StreamViolation
-from echo_p2p.weights import ChunkDigestError, ChunkError
+from echo_p2p.weights.manifest import ChunkDigestError, ChunkError
 
 logger = logging.getLogger("echo_p2p.transport.weights.fetcher")
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
 from echo_p2p.ml.tokenizer import build_char_tokenizer
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.scored import ScoredGroup
 from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 from tests.unit.fuzz.fuzzing import FUZZ, HUGE_HEADERS, broken, hostile_bytes, packed, peak_allocated, values

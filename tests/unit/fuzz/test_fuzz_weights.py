@@ -21,7 +21,9 @@ from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
 from echo_p2p.transport.weights.fetcher import WeightFetcher
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
 from echo_p2p.transport.weights.stream import ChunkStream, RemoteError, StreamViolation
-from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
+from echo_p2p.weights.codec import WeightEncoder
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.manifest import ChunkStore
 from tests.unit.fuzz.fuzzing import FUZZ, broken, context, hostile_bytes, packed, peak_allocated, run
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from echo_p2p.guard.drift import PolicyDrift
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.learner import Learner
 
 
 def test_since_sums_the_measured_spans_and_knows_what_it_does_not_know():

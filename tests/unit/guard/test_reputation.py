@@ -10,7 +10,8 @@ from echo_p2p.guard.sender_guard import SenderGuard
 from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 from echo_p2p.net.records import Ban, BanRecord
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.learner import Learner
 
 T1 = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"
 T2 = "QmNMa1sxAWQsRdGFBa2Kyaxx8bZYuJPPtV4xgKh1Bi8bFp"

@@ -11,7 +11,7 @@ from echo_p2p import PROTOCOL_VERSION
 from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
 from echo_p2p.ml.tokenizer import build_char_tokenizer, decode_completion, encode_prompts
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.scored import ScoredGroup
 from echo_p2p.transport.rollouts.refusals import Reason, Rejection
 

@@ -8,7 +8,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from echo_p2p.guard import trust
 from echo_p2p.guard.trust import TrustedTrainers, TrustFileError, check_manifest
 from echo_p2p.net.identity import peer_id_from_rsa
-from echo_p2p.weights import ChunkInfo, Manifest, ParamInfo
+from echo_p2p.weights.manifest import ChunkInfo, Manifest, ParamInfo
 
 
 @pytest.fixture(scope="module")

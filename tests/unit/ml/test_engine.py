@@ -159,7 +159,9 @@ def test_engine_runs_a_quantised_model(mode):
 def test_update_weights_scatters_a_patch_in_place_like_a_full_load(quantize):
     """A bf16 patch stream followed by the engine: only the changed values are written, and the model ends
     exactly where a full load of the same version puts it (a quantised layer is re-quantised whole)."""
-    from echo_p2p.weights import EncodingConfig, VersionAssembler, WeightEncoder, named_tensors
+    from echo_p2p.weights.codec import VersionAssembler, WeightEncoder
+    from echo_p2p.weights.config import EncodingConfig
+    from echo_p2p.weights.model_io import named_tensors
 
     trainer, tok = build_tiny_policy(seed=0)
     spec = ModelSpec(preset="tiny", seed=0, quantize=quantize)

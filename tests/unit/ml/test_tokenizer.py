@@ -14,7 +14,7 @@ from echo_p2p.ml.tokenizer import (
     decode_completion,
     encode_prompts,
 )
-from echo_p2p.tasks import BUILTIN_TASKS, build_task
+from echo_p2p.tasks.registry import BUILTIN_TASKS, build_task
 
 
 def test_char_vocab_is_small_and_has_specials_first():

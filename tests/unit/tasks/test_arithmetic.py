@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from echo_p2p.tasks import build_task
 from echo_p2p.tasks.arithmetic import last_integer
+from echo_p2p.tasks.registry import build_task
 
 
 @pytest.mark.parametrize(

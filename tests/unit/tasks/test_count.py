@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from echo_p2p.tasks import TaskError, build_task
+from echo_p2p.tasks.base import TaskError
 from echo_p2p.tasks.count import positional_match
+from echo_p2p.tasks.registry import build_task
 
 
 def test_count_prompts_enumerate_n_and_letter():

@@ -7,9 +7,8 @@ import random
 
 import pytest
 
-from echo_p2p.tasks import build_task
 from echo_p2p.tasks.base import ID_SPACE, UNBOUNDED_HELD_OUT, TaskError
-from echo_p2p.tasks.registry import BUILTIN_TASKS
+from echo_p2p.tasks.registry import BUILTIN_TASKS, build_task
 
 
 @pytest.mark.parametrize("name", BUILTIN_TASKS)

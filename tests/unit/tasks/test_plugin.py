@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from echo_p2p.tasks import TaskError, build_task
-from echo_p2p.tasks.plugin import PluginError, load_reward_function
+from echo_p2p.tasks.base import TaskError
+from echo_p2p.tasks.plugin_loader import PluginError, load_reward_function
+from echo_p2p.tasks.registry import build_task
 
 HERE = Path(__file__).resolve().parent
 MODULE = "tests.unit.tasks.reward_plugin"

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from echo_p2p.tasks import build_task
-from echo_p2p.tasks.plugin import PluginError
+from echo_p2p.tasks.plugin_loader import PluginError
+from echo_p2p.tasks.registry import build_task
 from tests.unit.ml.test_tokenizer import CHAR_CHAT_TEMPLATE
 from tests.unit.tasks import reward_plugin
 

@@ -16,7 +16,8 @@ from echo_p2p.cli import task_option
 from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator, reward_matches
 from echo_p2p.ml.tokenizer import build_char_tokenizer, decode_completion, encode_prompts
 from echo_p2p.rollout import MAX_ABS_REWARD, Completion, RolloutGroup
-from echo_p2p.tasks import TaskError, build_task
+from echo_p2p.tasks.base import TaskError
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.grpo import group_advantages
 from echo_p2p.train.scored import ScoredGroup
 from echo_p2p.transport.rollouts.refusals import Reason, Rejection

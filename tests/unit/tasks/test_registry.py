@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from echo_p2p.tasks import BUILTIN_TASKS, TASK_NAMES, Task, TaskError, build_task
+from echo_p2p.tasks.base import Task, TaskError
+from echo_p2p.tasks.registry import BUILTIN_TASKS, TASK_NAMES, build_task
 
 
 @pytest.mark.parametrize("name", BUILTIN_TASKS)
@@ -41,7 +42,7 @@ def test_sampling_more_ids_than_prompts_repeats():
 
 
 def test_importing_tasks_does_not_import_torch():
-    code = "import sys, echo_p2p.tasks as t; t.build_task('sokoban').prompt(0); print('torch' in sys.modules)"
+    code = "import sys, echo_p2p.tasks.registry as t; t.build_task('sokoban').prompt(0); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.tasks.sokoban import Board, parse_moves, simulate, solve
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from echo_p2p.ml.engine import Engine, Sample, SamplingParams
 from echo_p2p.ml.tokenizer import build_char_tokenizer, encode_prompts
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.evaluation import EvalConfig, EvalSchedule, Evaluator, evaluate
 
 

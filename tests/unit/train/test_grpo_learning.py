@@ -15,7 +15,8 @@ import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
 ARROW, FIRST, LETTERS = 2, 3, 8  # token ids: 0 pad, 1 eos, 2 '>', 3..10 letters (vocab 16)

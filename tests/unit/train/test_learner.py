@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
 

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.learner import Learner
 from echo_p2p.train.memory import (
     FLOAT_BYTES,
     LOGITS_COPIES,

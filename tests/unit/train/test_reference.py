@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo_p2p.train.learner import GRPOConfig, Learner
+from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.learner import Learner
 from echo_p2p.train.reference import reference_policy
 
 

@@ -16,7 +16,9 @@ from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
 from echo_p2p.transport.weights.providers import ProviderBook
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
 from echo_p2p.transport.weights.session import _FetchSession
-from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
+from echo_p2p.weights.codec import WeightEncoder
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.manifest import ChunkStore
 
 ME = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
 OTHER = PeerID.from_base58("QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")

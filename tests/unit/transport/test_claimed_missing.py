@@ -12,7 +12,7 @@ from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.weights.providers import MAX_TRACKED_PROVIDERS, ProviderBook, Source
 from echo_p2p.transport.weights.service import ServedVersion, WeightsServicer, _bitmap
 from echo_p2p.transport.weights.session import _FetchSession
-from echo_p2p.weights import ChunkStore
+from echo_p2p.weights.manifest import ChunkStore
 from tests.unit.transport.local_weights import PUB, publish, servicer_of, session_for
 
 LIAR, PARTIAL = "QmLiar", "QmPartial"

@@ -21,7 +21,8 @@ def test_an_ack_resets_the_failure_count():
 
 def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(monkeypatch):
     from echo_p2p.rollout import Completion, RolloutGroup
-    from echo_p2p.transport.rollouts.push import Status, _Item
+    from echo_p2p.transport.rollouts.ingest import Status
+    from echo_p2p.transport.rollouts.push import _Item
     from echo_p2p.transport.rollouts.refusals import Reason
 
     pusher = RolloutPusher(loop=None, directory=None, config=PusherConfig(full_recheck=0.2))
@@ -66,7 +67,8 @@ def _group(version: int):
 
 
 def test_acks_report_the_trainer_version_and_too_stale_refusals_raise_the_stale_floor():
-    from echo_p2p.transport.rollouts.push import Status, _Item
+    from echo_p2p.transport.rollouts.ingest import Status
+    from echo_p2p.transport.rollouts.push import _Item
     from echo_p2p.transport.rollouts.refusals import Reason
 
     pusher = RolloutPusher(loop=None, directory=None)
@@ -95,7 +97,8 @@ def test_refusals_of_one_kind_are_logged_once_per_period_with_a_count(caplog, mo
     warning line (4,942 in 3 minutes); now one line per trainer and reason every 10 s, with the count."""
     import logging
 
-    from echo_p2p.transport.rollouts.push import REFUSAL_LOG_PERIOD, Status, _Item
+    from echo_p2p.transport.rollouts.ingest import Status
+    from echo_p2p.transport.rollouts.push import REFUSAL_LOG_PERIOD, _Item
     from echo_p2p.transport.rollouts.refusals import Reason
 
     pusher = RolloutPusher(loop=None, directory=None)

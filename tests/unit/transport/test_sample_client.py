@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from echo_p2p.net.records import PeerRecord
-from echo_p2p.transport.rollouts.pull import SampleClient, SampleClientConfig
+from echo_p2p.transport.rollouts.config import SampleClientConfig
+from echo_p2p.transport.rollouts.pull import SampleClient
 
 
 def sampler(peer_id: str, tps: float) -> SimpleNamespace:

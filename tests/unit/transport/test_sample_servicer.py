@@ -12,7 +12,7 @@ from hivemind.p2p import P2PContext, PeerID
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.transport.rollouts.config import SampleServerConfig
 from echo_p2p.transport.rollouts.sample import SampleServicer
 

@@ -12,7 +12,7 @@ from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
 from echo_p2p.ml.tokenizer import build_char_tokenizer, encode_prompts
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.tasks import build_task
+from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.buffer import ReplayBuffer
 from echo_p2p.train.pacing import Pacer, PacingConfig
 from echo_p2p.transport.rollouts.config import IngestServerConfig

@@ -18,7 +18,9 @@ from echo_p2p.transport.weights.service import (
     bitmap_indices,
 )
 from echo_p2p.transport.weights.stream import ChunkStream, RemoteError, StreamViolation
-from echo_p2p.weights import ChunkStore, EncodingConfig, WeightEncoder
+from echo_p2p.weights.codec import WeightEncoder
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.manifest import ChunkStore
 
 ALICE = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
 BOB = PeerID.from_base58("QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")

@@ -4,23 +4,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from echo_p2p.weights import (
+from echo_p2p.weights.codec import EncodedVersion, VersionAssembler, WeightEncoder
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.manifest import (
     BaseVersionError,
     ChunkDigestError,
     ChunkSizeError,
-    EncodedVersion,
-    EncodingConfig,
     IncompleteVersionError,
     Manifest,
     NonFiniteError,
     ParamMismatchError,
-    PolicyWeights,
-    VersionAssembler,
-    WeightEncoder,
     WeightsError,
-    load_into_model,
-    named_tensors,
 )
+from echo_p2p.weights.model_io import PolicyWeights, load_into_model, named_tensors
 from echo_p2p.weights.quant import dequantize, dynamic_code, quantize_blockwise
 
 

@@ -11,19 +11,16 @@ import pytest
 import torch
 import zstandard
 
-from echo_p2p.weights import (
+from echo_p2p.weights.codec import EncodedVersion, VersionAssembler, WeightEncoder, merge_changes
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.manifest import (
     ChunkDigestError,
     ChunkSizeError,
-    EncodedVersion,
-    EncodingConfig,
     Manifest,
     NonFiniteError,
-    PolicyWeights,
-    VersionAssembler,
-    WeightEncoder,
-    merge_changes,
+    patch_payload_bound,
 )
-from echo_p2p.weights.manifest import patch_payload_bound
+from echo_p2p.weights.model_io import PolicyWeights
 from echo_p2p.weights.patch import (
     MODE_DENSE,
     MODE_SPARSE,
