@@ -1,5 +1,11 @@
-"""Networking layer: DHT keys and records, identities, the swarm directory, the run record and starting a
-DHT node (the RPC transports over it live in ``echo_p2p.transport``).
+"""Networking layer: a peer's place on hivemind's DHT (the RPC transports over it are ``echo_p2p.transport``).
+
+- ``network_config``: ``NetworkConfig``, a node's network settings; ``node``: starting and stopping a DHT node.
+- ``identity``: the one RSA key that is a peer's libp2p identity and record-signing key.
+- ``keys``: every DHT key echo_p2p reads or writes; ``records``: the typed records and their validators.
+- ``directory``: announcing this peer and listing the others; ``run_record``: the owner's signed list of
+  the run's trainers; ``trainer_writers``: who may write the trainer-only keys.
+- ``reachability``: which addresses to announce; ``peer_cache``: the peers met, for the next start.
 
 Modules here may import hivemind but never ``torch.nn``: they move bytes and typed records, and leave
 every model computation to the pure-ML layer.
