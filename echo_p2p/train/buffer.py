@@ -143,6 +143,7 @@ class ReplayBuffer:
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.reuse = reuse
+        self._seen_follows_capacity = seen_ids_window is None
         self.seen_ids_window = seen_ids_window if seen_ids_window is not None else max(16 * capacity, 4096)
         if self.seen_ids_window < 1:
             raise ValueError("seen_ids_window must be >= 1")
@@ -244,12 +245,15 @@ class ReplayBuffer:
         """Hold at most ``capacity`` groups from now on (the trainer sizes it by the senders it sees).
 
         A resize never drops a group: a buffer holding more than its new capacity keeps them, has no free
-        room, and evicts one for each one added until training has taken it below.
+        room, and evicts one for each one added until training has taken it below. A default
+        ``seen_ids_window`` grows with the capacity (and never shrinks: no id is forgotten early).
         """
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         with self._cond:
             self.capacity = capacity
+            if self._seen_follows_capacity:
+                self.seen_ids_window = max(self.seen_ids_window, 16 * capacity)
 
     # ---- announcements and stats -------------------------------------------------------------------------
     def free_room(self) -> int:

@@ -173,6 +173,11 @@ def test_a_resize_never_drops_a_group_and_a_smaller_buffer_fills_no_further(g) -
     assert buf.free_room() == 1
     with pytest.raises(ValueError):
         buf.resize(0)
+    buf.resize(1000)  # the default de-duplication window follows the capacity up, never down
+    assert buf.seen_ids_window == 16_000
+    buf.resize(2)
+    assert buf.seen_ids_window == 16_000
+    assert ReplayBuffer(capacity=2, max_staleness=1, seen_ids_window=10).seen_ids_window == 10
 
 
 def test_recommended_capacity() -> None:
