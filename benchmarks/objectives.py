@@ -88,9 +88,7 @@ class Arm:
 
         self.kind, self.k = parse_sampler(sampler)
         self.args = args
-        grpo = dict(
-            lr=args.lr, micro_batch_size=args.micro_batch_size, temperature=1.0, **OBJECTIVES[objective]
-        )
+        grpo = dict(micro_batch_size=args.micro_batch_size, temperature=1.0, **OBJECTIVES[objective])
         spec = ModelSpec(preset=args.model, device=args.device)
         config = ColocatedConfig(
             model=spec,
@@ -98,6 +96,7 @@ class Arm:
             group_size=args.group_size,
             prompts_per_step=args.prompts_per_step,
             grpo=grpo,
+            optimizer={"lr": args.lr},
             steps=args.updates,
             seed=seed,
             threads=args.threads,

@@ -38,19 +38,16 @@ import threading
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from echo_p2p.cli import add_task_option_flag, install_stop_handlers
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.models import ModelSpec
 from echo_p2p.paths import UserPath
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import GRPOConfig, OptimizerConfig
 from echo_p2p.train.evaluation import EvalConfig
 
 logger = logging.getLogger(__name__)
-
-#: GRPO settings of the baseline when none are given: the tiny preset learns ``count`` with them.
-DEFAULT_GRPO: dict[str, Any] = dict(lr=1e-3, micro_batch_size=256, temperature=1.0)
 
 
 class ColocatedConfig(BaseModel):
@@ -73,9 +70,10 @@ class ColocatedConfig(BaseModel):
         "task's cap. Its temperature must equal ``grpo.temperature``. Its seed is ignored: each step "
         "samples with a seed derived from ``seed`` and the step number.",
     )
-    grpo: GRPOConfig = Field(
-        default_factory=lambda: GRPOConfig(**DEFAULT_GRPO),
-        description=f"Loss, micro-batching and AdamW settings; a mapping is merged over {DEFAULT_GRPO}.",
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="Loss and micro-batching settings.")
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig,
+        description="AdamW settings: the same setting as a trainer peer's ``trainer.optimizer``.",
     )
     evaluation: EvalConfig = Field(
         default_factory=EvalConfig,
@@ -105,13 +103,6 @@ class ColocatedConfig(BaseModel):
         "decoupled trainer can consume at these settings (its reward curve means nothing: it relearns the "
         "same groups). None: sample every step (co-located).",
     )
-
-    @field_validator("grpo", mode="before")
-    @classmethod
-    def _grpo(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {**DEFAULT_GRPO, **value}
-        return value
 
     @model_validator(mode="after")
     def _check(self) -> ColocatedConfig:
@@ -158,7 +149,7 @@ class ColocatedTrainer:
             grpo = grpo.model_copy(update={"pad_token_id": int(self.tokenizer.pad_token_id)})
         reference = reference_policy(self.model, grpo.policy_precision) if grpo.kl_beta > 0 else None
         self.learner = Learner(self.model, grpo, ref_model=reference)
-        self.optimizer = self.learner.make_optimizer()
+        self.optimizer = config.optimizer.adamw(self.model.parameters())
         self.engine = TransformersEngine(self.model, self.tokenizer)
         self.sampling = config.sampling or SamplingParams(
             temperature=grpo.temperature,
@@ -244,7 +235,7 @@ class ColocatedTrainer:
             self.task.describe(),
             cfg.group_size,
             cfg.prompts_per_step,
-            self.learner.config.lr,
+            cfg.optimizer.lr,
             f"{cfg.steps} steps" if cfg.steps else f"{cfg.duration:.0f} s",
         )
         pool: list[Any] = []
@@ -357,7 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lr", type=float, default=None, help="AdamW learning rate (default: the preset's, else 1e-3)"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling (and loss) temperature")
-    p.add_argument("--micro-batch-size", type=int, default=DEFAULT_GRPO["micro_batch_size"])
+    p.add_argument("--micro-batch-size", type=int, default=GRPOConfig().micro_batch_size)
     p.add_argument(
         "--kl-beta",
         type=float,
@@ -394,8 +385,8 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
         task_options=dict(args.task_option),
         group_size=args.group_size,
         prompts_per_step=args.prompts_per_step,
+        optimizer=OptimizerConfig(lr=_lr(args)),
         grpo=dict(
-            lr=_lr(args),
             temperature=args.temperature,
             micro_batch_size=args.micro_batch_size,
             kl_beta=args.kl_beta,
@@ -413,12 +404,12 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
 
 
 def _lr(args: argparse.Namespace) -> float:
-    """``--lr``, else the preset's learning rate (``PRESET_TRAINER_DEFAULTS``), else ``DEFAULT_GRPO``'s."""
+    """``--lr``, else the preset's learning rate (``PRESET_TRAINER_DEFAULTS``), else ``OptimizerConfig``'s."""
     if args.lr is not None:
         return args.lr
     from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS
 
-    return PRESET_TRAINER_DEFAULTS.get(args.model, {}).get("trainer.grpo.lr", DEFAULT_GRPO["lr"])
+    return PRESET_TRAINER_DEFAULTS.get(args.model, {}).get("trainer.optimizer.lr", OptimizerConfig().lr)
 
 
 def main(argv: list[str] | None = None) -> int:

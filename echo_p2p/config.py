@@ -19,7 +19,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -34,7 +33,7 @@ from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.records import MAX_RECORD_TTL
 from echo_p2p.paths import UserPath, expand_path
 from echo_p2p.roles.watchdog import WatchdogConfig
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import GRPOConfig, OptimizerConfig
 from echo_p2p.train.evaluation import EvalConfig
 from echo_p2p.train.pacing import PacingConfig
 from echo_p2p.train.trackers import ReportConfig
@@ -166,14 +165,6 @@ class InferenceSection(StrictModel):
     )
 
 
-#: A trainer peer's GRPO and optimizer settings where the given data leaves them unset (they suit the tiny
-#: preset; a model preset's ``PRESET_TRAINER_DEFAULTS`` replace them, and anything given replaces both).
-TRAINER_SECTION_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"lr": 1e-3, "micro_batch_size": 256},
-    "collab": {"lr": 1e-3, "target_batch_size": 16},
-}
-
-
 class TrainerSection(StrictModel):
     """Settings of a trainer peer."""
 
@@ -187,24 +178,16 @@ class TrainerSection(StrictModel):
         description="How the trainer checks senders' behaviour log-probs and bans liars (docs/security.md)",
     )
     prompts_per_step: int = Field(default=16, ge=1, le=4096, description="Rollout groups per GRPO step")
-    grpo: GRPOConfig = Field(
-        default_factory=lambda: GRPOConfig(**TRAINER_SECTION_DEFAULTS["grpo"]),
-        description=f"GRPO hyperparameters; a mapping is merged over {TRAINER_SECTION_DEFAULTS['grpo']}",
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO loss and micro-batching")
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig,
+        description="AdamW (lr, betas, eps, weight decay) of every update; the co-located loop's is the same "
+        "setting (a model preset may set lr: smollm2's 1e-6)",
     )
     collab: CollabOptimizerConfig = Field(
-        default_factory=lambda: CollabOptimizerConfig(**TRAINER_SECTION_DEFAULTS["collab"]),
-        description="hivemind.Optimizer across trainers (lr, target batch in groups, matchmaking); a mapping "
-        f"is merged over {TRAINER_SECTION_DEFAULTS['collab']}",
+        default_factory=CollabOptimizerConfig,
+        description="hivemind.Optimizer across trainers (target batch in groups, matchmaking, deadlines)",
     )
-
-    @field_validator("grpo", "collab", mode="before")
-    @classmethod
-    def _merge_section_defaults(cls, value: Any, info: ValidationInfo) -> Any:
-        """A partial mapping (``--lr`` alone, or one YAML key) keeps the section's other defaults: it used to
-        replace the section with the class defaults, so ``--lr`` silently made ``target_batch_size`` 64."""
-        if isinstance(value, Mapping):
-            return {**TRAINER_SECTION_DEFAULTS[info.field_name], **value}
-        return value
 
     max_staleness: int = Field(
         default=4, ge=0, le=64, description="Async: drop rollouts more than this many versions old"
@@ -338,8 +321,8 @@ class PeerConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _preset_defaults_in_data(cls, data: Any) -> Any:
-        """The model preset's trainer settings go under what the given mapping leaves unset, before the
-        trainer section merges its own defaults under both (``TRAINER_SECTION_DEFAULTS``)."""
+        """The model preset's trainer settings go under what the given mapping leaves unset (the classes'
+        defaults fill the rest)."""
         if not isinstance(data, Mapping):
             return data
         run = data.get("run")

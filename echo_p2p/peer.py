@@ -199,7 +199,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "trainer.checkpoint_dir": args.checkpoint_dir,
         "trainer.resume": args.resume,
         "trainer.max_steps": args.max_steps,
-        "trainer.collab.lr": args.lr,
+        "trainer.optimizer.lr": args.lr,
         "trainer.grpo.kl_beta": args.kl_beta,
         "trainer.max_staleness": args.max_staleness,
         "trainer.publish_interval": args.publish_interval,

@@ -83,7 +83,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import hivemind
     import torch
 
-    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.config import OptimizerConfig
     from echo_p2p.train.learner import Learner
     from echo_p2p.train.scored import ScoredGroup
 
@@ -97,24 +97,14 @@ def trainer_swarm_run_id(run_id: str) -> str:
 
 
 class CollabOptimizerConfig(BaseModel):
-    """Settings of the trainers' ``hivemind.Optimizer``. Every trainer of a run must use the same values,
-    except ``batch_size_per_step``, ``client_mode`` and ``verbose``, which are per peer."""
+    """Settings of the trainers' ``hivemind.Optimizer`` (the AdamW inside it is ``train.config.OptimizerConfig``).
+    Every trainer of a run must use the same values, except ``batch_size_per_step``, ``client_mode`` and
+    ``verbose``, which are per peer."""
 
     model_config = ConfigDict(extra="forbid")
 
-    lr: float = Field(
-        default=1e-6,
-        gt=0,
-        description="AdamW learning rate of each swarm-wide update (one per epoch). 1e-6 suits 0.1-7B "
-        "pretrained LMs; the tiny test policy learns at 1e-3..3e-3.",
-    )
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field(
-        default=(0.9, 0.999), description="AdamW betas (as ``GRPOConfig.adam_betas``, which says why 0.999)."
-    )
-    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     target_batch_size: int = Field(
-        default=64,
+        default=16,
         ge=1,
         description="Rollout groups (the unit of ``CollabTrainerStep``) that the trainers together "
         "accumulate per epoch, i.e. per policy version. One epoch costs about ``matchmaking_time`` of "
@@ -211,13 +201,6 @@ class CollabOptimizerConfig(BaseModel):
             raise ValueError("progress_refresh_min must not exceed progress_refresh_max")
         return self
 
-    @classmethod
-    def from_grpo(cls, grpo: GRPOConfig, **overrides: Any) -> CollabOptimizerConfig:
-        """A config with the learner's AdamW settings (``lr``, ``weight_decay``, ``adam_betas``) plus
-        ``overrides``, so a trainer alone and a trainer swarm optimise the same way."""
-        base: dict[str, Any] = dict(lr=grpo.lr, weight_decay=grpo.weight_decay, betas=grpo.adam_betas)
-        return cls(**{**base, **overrides})
-
 
 def link_timeouts(
     num_params: int, link_mbit: float, trainers: int = 2, compression: str = "float16"
@@ -253,10 +236,12 @@ def make_collab_optimizer(
     run_id: str,
     params: Iterable[torch.Tensor],
     config: CollabOptimizerConfig,
+    optimizer: OptimizerConfig,
     *,
     private_key: Any | None = None,
 ) -> hivemind.Optimizer:
-    """A ``hivemind.Optimizer`` (AdamW inside) over ``params`` for the trainers of echo run ``run_id``.
+    """A ``hivemind.Optimizer`` (``optimizer.adamw`` inside) over ``params`` for the trainers of echo run
+    ``run_id``.
 
     :param dht: a running DHT joined to the swarm (e.g. from ``echo_p2p.net.node.start_dht``)
     :param run_id: the echo run id; the optimizer's own run id is ``trainer_swarm_run_id(run_id)``
@@ -266,17 +251,11 @@ def make_collab_optimizer(
     Gradients are averaged once per epoch (``use_local_updates=False``): every trainer of an epoch applies the
     same update. ``optimizer.local_epoch`` is the policy version.
     """
-    import torch
     from hivemind.compression import Float16Compression, NoCompression
 
     from echo_p2p.collab.sync import NEVER, SyncedOptimizer
 
     compression = Float16Compression() if config.compression == "float16" else NoCompression()
-    lr, betas, eps, wd = config.lr, config.betas, config.eps, config.weight_decay
-
-    def adamw(parameters: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(parameters, lr=lr, betas=betas, eps=eps, weight_decay=wd)
-
     tracker_opts: dict[str, Any] = dict(
         min_refresh_period=config.progress_refresh_min,
         max_refresh_period=config.progress_refresh_max,
@@ -292,7 +271,7 @@ def make_collab_optimizer(
         dht=dht,
         run_id=trainer_swarm_run_id(run_id),
         params=params,
-        optimizer=adamw,
+        optimizer=optimizer.adamw,
         target_batch_size=config.target_batch_size,
         batch_size_per_step=config.batch_size_per_step,
         use_local_updates=False,

@@ -55,8 +55,7 @@ TINY_ARCH: dict[str, Any] = dict(
 PRESET_TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "smollm2": {
-        "trainer.collab.lr": 1e-6,
-        "trainer.grpo.lr": 1e-6,
+        "trainer.optimizer.lr": 1e-6,
         "trainer.collab.compression": "float16",
         "trainer.collab.matchmaking_time": 5.0,
         "trainer.collab.request_timeout": 3.0,

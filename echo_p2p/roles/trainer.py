@@ -129,7 +129,12 @@ class TrainerPeer(BasePeer):
             os.path.join(self.config.metrics_dir or "runs", "tensorboard"),
             run_name=f"trainer-{self.peer_id}",
             project=f"echo_p2p-{self.config.run_id}",
-            hparams={"run_id": self.config.run_id, "mode": self.config.mode, **grpo.model_dump(mode="json")},
+            hparams={
+                "run_id": self.config.run_id,
+                "mode": self.config.mode,
+                **grpo.model_dump(mode="json"),
+                **section.optimizer.model_dump(mode="json"),
+            },
         )
 
         loaded = None
@@ -150,6 +155,7 @@ class TrainerPeer(BasePeer):
             self.config.run_id,
             self.model.parameters(),
             section.collab,
+            section.optimizer,
             private_key=self.identity.private_key,
         )
         if loaded is not None and loaded.optimizer_state is not None:

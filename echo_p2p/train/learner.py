@@ -131,12 +131,6 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        """A plain AdamW over the model's trainable parameters with the config's lr, betas and decay."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        cfg = self.config
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
-
     def build_batch(self, groups: Sequence[ScoredGroup]) -> Batch:
         cfg = self.config
         return build_batch(

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.tasks.registry import build_task
-    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.config import GRPOConfig, OptimizerConfig
     from echo_p2p.train.learner import Learner
     from echo_p2p.train.scored import ScoredGroup
 
@@ -111,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.maddrs_file:
         _write_atomic(Path(args.maddrs_file), "\n".join(visible_maddrs(dht)).encode())
 
-    grpo = GRPOConfig(lr=args.lr, micro_batch_size=64, pad_token_id=tokenizer.pad_token_id)
+    grpo = GRPOConfig(micro_batch_size=64, pad_token_id=tokenizer.pad_token_id)
     learner = Learner(model, grpo)
-    config = CollabOptimizerConfig.from_grpo(
-        grpo,
+    config = CollabOptimizerConfig(
         target_batch_size=args.target_batch_size,
         matchmaking_time=args.matchmaking_time,
         request_timeout=min(0.5, args.matchmaking_time / 2),
@@ -122,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         verbose=args.verbose,
     )
     opt = make_collab_optimizer(
-        dht, args.run_id, model.parameters(), config, private_key=identity.private_key
+        dht,
+        args.run_id,
+        model.parameters(),
+        config,
+        OptimizerConfig(lr=args.lr),
+        private_key=identity.private_key,
     )
     trainer = CollabTrainerStep(learner, opt)
     task = build_task("count")

@@ -158,7 +158,7 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
     from echo_p2p.net.node import start_dht, stop_dht
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.train.checkpoint import CheckpointManager, CheckpointVersionError
-    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.config import GRPOConfig, OptimizerConfig
     from echo_p2p.train.learner import Learner
     from echo_p2p.train.scored import ScoredGroup
 
@@ -178,10 +178,13 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
     dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), identity, [SwarmKeys("lone")])
     opt = None
     try:
-        grpo = GRPOConfig(lr=1e-2, micro_batch_size=None)
-        config = CollabOptimizerConfig.from_grpo(grpo, target_batch_size=4)
-        assert config.lr == 1e-2 and config.betas == grpo.adam_betas
-        opt = make_collab_optimizer(dht, "lone", model.parameters(), config, private_key=identity.private_key)
+        grpo = GRPOConfig(micro_batch_size=None)
+        config = CollabOptimizerConfig(target_batch_size=4)
+        adamw = OptimizerConfig(lr=1e-2)
+        opt = make_collab_optimizer(
+            dht, "lone", model.parameters(), config, adamw, private_key=identity.private_key
+        )
+        assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["betas"] == adamw.betas
         step = CollabTrainerStep(Learner(model, grpo), opt)
         results = [step([group(), group()]) for _ in range(4)]
         assert [(r.version_before, r.version) for r in results] == [(0, 0), (0, 1), (1, 1), (1, 2)]
@@ -202,7 +205,7 @@ def test_lone_trainer_step_advances_versions_signs_progress_and_resumes_from_a_c
         model2, _ = build_tiny_policy(1)
         model2.load_state_dict(saved.model_state)
         opt = make_collab_optimizer(
-            dht, "lone", model2.parameters(), config, private_key=identity.private_key
+            dht, "lone", model2.parameters(), config, adamw, private_key=identity.private_key
         )
         opt.load_state_dict(saved.optimizer_state)
         step2 = CollabTrainerStep(Learner(model2, grpo), opt)
@@ -246,6 +249,7 @@ def test_client_mode_of_the_config_reaches_every_averager() -> None:
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
+    from echo_p2p.train.config import OptimizerConfig
 
     identity = load_or_create_identity(None)
     dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), identity, [SwarmKeys("cm")])
@@ -255,7 +259,7 @@ def test_client_mode_of_the_config_reaches_every_averager() -> None:
             model, _ = build_tiny_policy(0)
             config = CollabOptimizerConfig(client_mode=wanted)
             opt = make_collab_optimizer(
-                dht, "cm", model.parameters(), config, private_key=identity.private_key
+                dht, "cm", model.parameters(), config, OptimizerConfig(), private_key=identity.private_key
             )
             try:
                 parts = (opt, opt.tracker, opt.state_averager, opt.grad_averager)

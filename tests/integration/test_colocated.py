@@ -79,8 +79,8 @@ def test_config_guards() -> None:
     from echo_p2p.train.config import GRPOConfig
 
     cfg = ColocatedConfig()
-    assert isinstance(cfg.grpo, GRPOConfig) and cfg.grpo.lr == 1e-3 and cfg.steps == 300
-    assert ColocatedConfig(grpo={"lr": 1e-3}).grpo.micro_batch_size == 256  # defaults fill the rest
+    assert isinstance(cfg.grpo, GRPOConfig) and cfg.optimizer.lr == 1e-3 and cfg.steps == 300
+    assert ColocatedConfig(optimizer={"lr": 2e-3}).optimizer.betas == (0.9, 0.999)  # defaults fill the rest
     with pytest.raises(ValueError, match="temperature"):
         ColocatedConfig(sampling=SamplingParams(temperature=0.7, max_new_tokens=7))
     with pytest.raises(ValueError, match="needs an end"):

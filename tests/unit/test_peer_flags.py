@@ -11,6 +11,7 @@ from echo_p2p.colocated import config_from_args, parse_args
 from echo_p2p.config import ConfigError
 from echo_p2p.local import LocalSwarm, LocalSwarmConfig
 from echo_p2p.peer import parse_config
+from echo_p2p.train.config import OptimizerConfig
 
 MADDR = "/ip4/127.0.0.1/tcp/31337/p2p/QmNMa1sxAWQsRdGFBa2Kyaxx8bZYuJPPtV4xgKh1Bi8bFp"
 
@@ -68,33 +69,35 @@ def test_smollm2_preset_brings_its_learning_rate_and_given_values_win(tmp_path):
     base = ["--role", "trainer", "--run-id", "r", "--initial-peers", MADDR]
     tiny = parse_config(base, environ={})
     smol = parse_config([*base, "--model", "smollm2"], environ={})
-    assert (tiny.trainer.collab.lr, tiny.trainer.grpo.lr) == (1e-3, 1e-3)
-    assert (smol.trainer.collab.lr, smol.trainer.grpo.lr) == (1e-6, 1e-6)
+    assert tiny.trainer.optimizer == OptimizerConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert smol.trainer.optimizer == tiny.trainer.optimizer.model_copy(update={"lr": 1e-6})
     # nothing else of the trainer's defaults moves
     assert smol.trainer.collab.target_batch_size == tiny.trainer.collab.target_batch_size == 16
-    assert smol.trainer.grpo.micro_batch_size == tiny.trainer.grpo.micro_batch_size
-    assert parse_config([*base, "--model", "smollm2", "--lr", "3e-6"], environ={}).trainer.collab.lr == 3e-6
+    assert smol.trainer.grpo.micro_batch_size == tiny.trainer.grpo.micro_batch_size == 256
+    assert (
+        parse_config([*base, "--model", "smollm2", "--lr", "3e-6"], environ={}).trainer.optimizer.lr == 3e-6
+    )
     yaml = tmp_path / "trainer.yaml"
-    yaml.write_text("trainer:\n  collab:\n    lr: 5.0e-6\n    target_batch_size: 16\n")
+    yaml.write_text("trainer:\n  optimizer:\n    lr: 5.0e-6\n")
     given = parse_config([*base, "--model", "smollm2", "--config", str(yaml)], environ={})
-    assert (given.trainer.collab.lr, given.trainer.grpo.lr) == (5e-6, 1e-6)
+    assert given.trainer.optimizer.lr == 5e-6
 
 
 def test_a_partial_trainer_section_keeps_the_sections_other_defaults(tmp_path):
-    """``--lr`` alone (trainer.collab.lr) used to replace the whole collab section with the class defaults:
-    the target batch went from 16 groups to 64, a version every 4 steps instead of every step."""
+    """``--lr`` alone (trainer.optimizer.lr) keeps every other default: a partial section once replaced the
+    collab section with other defaults (the target batch went from 16 groups to 64)."""
     base = ["--role", "trainer", "--run-id", "r", "--initial-peers", MADDR]
     default = parse_config(base, environ={}).trainer
     lr_only = parse_config([*base, "--lr", "5e-4"], environ={}).trainer
-    assert lr_only.collab.lr == 5e-4
+    assert lr_only.optimizer.lr == 5e-4 and lr_only.optimizer.betas == default.optimizer.betas
     assert lr_only.collab.target_batch_size == default.collab.target_batch_size == 16
     yaml = tmp_path / "trainer.yaml"
-    yaml.write_text("trainer:\n  grpo:\n    clip_high: 0.28\n")
-    grpo = parse_config([*base, "--config", str(yaml)], environ={}).trainer.grpo
-    assert grpo.clip_high == 0.28
-    assert (grpo.lr, grpo.micro_batch_size) == (default.grpo.lr, default.grpo.micro_batch_size) == (1e-3, 256)
-    smol = parse_config([*base, "--model", "smollm2", "--config", str(yaml)], environ={}).trainer.grpo
-    assert (smol.lr, smol.clip_high) == (1e-6, 0.28)  # the preset still reaches a partially given section
+    yaml.write_text("trainer:\n  grpo:\n    clip_high: 0.28\n  optimizer:\n    eps: 1.0e-6\n")
+    trainer = parse_config([*base, "--config", str(yaml)], environ={}).trainer
+    assert trainer.grpo.clip_high == 0.28 and trainer.grpo.micro_batch_size == 256
+    assert (trainer.optimizer.lr, trainer.optimizer.eps) == (1e-3, 1e-6)
+    smol = parse_config([*base, "--model", "smollm2", "--config", str(yaml)], environ={}).trainer
+    assert (smol.optimizer.lr, smol.optimizer.eps) == (1e-6, 1e-6)  # the preset reaches a partial section
 
 
 def test_local_swarm_gives_smollm2_peers_small_steps_that_peer_args_override(tmp_path):
@@ -109,9 +112,9 @@ def test_local_swarm_gives_smollm2_peers_small_steps_that_peer_args_override(tmp
 
 
 def test_colocated_smollm2_takes_the_preset_learning_rate():
-    assert config_from_args(parse_args(["--model", "smollm2"])).grpo.lr == 1e-6
-    assert config_from_args(parse_args([])).grpo.lr == 1e-3
-    assert config_from_args(parse_args(["--model", "smollm2", "--lr", "1e-5"])).grpo.lr == 1e-5
+    assert config_from_args(parse_args(["--model", "smollm2"])).optimizer.lr == 1e-6
+    assert config_from_args(parse_args([])).optimizer == OptimizerConfig()  # a trainer peer's defaults
+    assert config_from_args(parse_args(["--model", "smollm2", "--lr", "1e-5"])).optimizer.lr == 1e-5
 
 
 def test_join_sets_run_owner_and_initial_peers_and_needs_nothing_else(tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import GRPOConfig, OptimizerConfig
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
@@ -38,13 +38,13 @@ def _sample(
     return ids[:, 2:].view(n, G, NEW_TOKENS), torch.cat(lps, 1).view(n, G, NEW_TOKENS)
 
 
-def _train(tiny_model, lag: int, config: GRPOConfig, seed: int = 0) -> list[float]:
+def _train(tiny_model, lag: int, config: GRPOConfig, seed: int = 0, lr: float = 3e-3) -> list[float]:
     """GRPO loop sampling with the policy of ``lag`` versions ago (0: on-policy); mean reward per step."""
     model = tiny_model(seed)
     sampler = copy.deepcopy(model)
     history: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
     learner = Learner(model, config)
-    opt = learner.make_optimizer()
+    opt = OptimizerConfig(lr=lr).adamw(model.parameters())
     buffer = ReplayBuffer(capacity=PROMPTS * (lag + 1), max_staleness=lag)
     gen = torch.Generator().manual_seed(seed + 1)
     rewards = []
@@ -79,7 +79,7 @@ def _train(tiny_model, lag: int, config: GRPOConfig, seed: int = 0) -> list[floa
 
 def test_grpo_learns_letter_after_on_policy(tiny_model) -> None:
     t0 = time.monotonic()
-    rewards = _train(tiny_model, lag=0, config=GRPOConfig(lr=3e-3, micro_batch_size=32))
+    rewards = _train(tiny_model, lag=0, config=GRPOConfig(micro_batch_size=32))
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"on-policy: first-10 mean reward {first:.3f}, last-10 {last:.3f}, {time.monotonic() - t0:.1f}s")
     assert last > first + 0.3
@@ -88,7 +88,7 @@ def test_grpo_learns_letter_after_on_policy(tiny_model) -> None:
 
 def test_grpo_learns_with_rollouts_two_versions_stale(tiny_model) -> None:
     t0 = time.monotonic()
-    rewards = _train(tiny_model, lag=2, config=GRPOConfig(lr=3e-3, micro_batch_size=32, tis_cap=2.0))
+    rewards = _train(tiny_model, lag=2, config=GRPOConfig(micro_batch_size=32, tis_cap=2.0))
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"2 stale: first-10 mean reward {first:.3f}, last-10 {last:.3f}, {time.monotonic() - t0:.1f}s")
     assert last > first + 0.3
@@ -99,9 +99,7 @@ def test_decoupled_objective_learns_from_rollouts_eight_versions_stale(tiny_mode
     moved on from are cut and learning lags (last-10 reward ~0.45 here); decoupled PPO (clip against the
     trainer's own policy, truncated behaviour weight) still learns from them (~0.8)."""
     rewards = {
-        objective: _train(
-            tiny_model, lag=8, config=GRPOConfig(lr=3e-3, micro_batch_size=32, objective=objective)
-        )
+        objective: _train(tiny_model, lag=8, config=GRPOConfig(micro_batch_size=32, objective=objective))
         for objective in ("ppo", "decoupled")
     }
     last = {objective: sum(r[-10:]) / 10 for objective, r in rewards.items()}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import GRPOConfig, OptimizerConfig
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
@@ -130,14 +130,14 @@ def test_on_policy_rollouts_have_ratio_one(tiny_model) -> None:
 def test_step_updates_weights_and_zero_grad_false_accumulates(tiny_model, random_groups) -> None:
     model = tiny_model()
     groups = random_groups(seed=4)
-    learner = Learner(model, GRPOConfig(lr=1e-3, max_grad_norm=None))
+    learner = Learner(model, GRPOConfig(max_grad_norm=None))
     learner.compute_gradients(groups)
     g1 = _grads(model)
     learner.compute_gradients(groups, zero_grad=False)
     _assert_same_grads(_grads(model), {k: 2 * v for k, v in g1.items()})
 
     before = [p.detach().clone() for p in model.parameters()]
-    opt = learner.make_optimizer()
+    opt = OptimizerConfig(lr=1e-3).adamw(model.parameters())
     stats = learner.step(groups, opt)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     for key in (
@@ -230,17 +230,17 @@ def test_a_non_finite_gradient_is_dropped_and_never_stepped(tiny_model, random_g
     model = tiny_model()
     groups = random_groups(seed=6)
     # the ppo objective without its cap: the one way left for a behaviour log-prob to make it non-finite
-    learner = Learner(model, GRPOConfig(lr=1e-2, ratio_cap=None, objective="ppo"))
+    learner = Learner(model, GRPOConfig(ratio_cap=None, objective="ppo"))
     # a stranger's behaviour log-prob that no sampler can produce; uncapped, the loss goes inf/NaN
     groups[0].group.completions[0].logprobs[0] = -1e30
     before = [p.detach().clone() for p in model.parameters()]
-    opt = learner.make_optimizer()
+    opt = OptimizerConfig(lr=1e-2).adamw(model.parameters())
     stats = learner.step(groups, opt)
     assert stats["nonfinite"] == 1.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     # the default ratio cap keeps the same batch finite: it trains
-    stats = Learner(model, GRPOConfig(lr=1e-2)).step(groups, opt)
+    stats = Learner(model, GRPOConfig()).step(groups, opt)
     assert stats["nonfinite"] == 0.0 and math.isfinite(stats["loss"])
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 

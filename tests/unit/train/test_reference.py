@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import GRPOConfig, OptimizerConfig
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.reference import reference_policy
 
@@ -17,9 +17,9 @@ def test_reference_is_frozen_and_stays_the_starting_policy_while_the_policy_trai
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     reference = reference_policy(model)
     assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
-    config = GRPOConfig(kl_beta=0.5, lr=1e-2, max_grad_norm=None, drift_probe_sequences=0)
+    config = GRPOConfig(kl_beta=0.5, max_grad_norm=None, drift_probe_sequences=0)
     learner = Learner(model, config, ref_model=reference)
-    optimizer = learner.make_optimizer()
+    optimizer = OptimizerConfig(lr=1e-2).adamw(model.parameters())
     groups = random_groups(seed=4)
     first = learner.step(groups, optimizer)
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy is still the reference
