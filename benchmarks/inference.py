@@ -59,6 +59,7 @@ from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.roles.inference import InferencePeer
 from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.batching import split_micro_batches
+from echo_p2p.train.config import DerivedSettings
 from echo_p2p.train.grpo import token_logprobs
 from echo_p2p.train.learner import Learner, _forward_logits
 from echo_p2p.train.scored import ScoredGroup
@@ -228,13 +229,10 @@ def bench_throughput(setup: Setup, peer: InferencePeer, repeats: int) -> tuple[d
 # ============================================================================================== (b) log-probs
 def trainer_learner(peer: InferencePeer, model) -> Learner:
     """The trainer's ``Learner`` on the fp32 ``model``, configured as ``TrainerPeer.on_start`` does."""
-    grpo = TrainerSection().grpo.model_copy(
-        update={
-            "temperature": peer.config.run.temperature,
-            "pad_token_id": peer.tokenizer.pad_token_id or 0,
-        }
+    derived = DerivedSettings(
+        temperature=peer.config.run.temperature, pad_token_id=peer.tokenizer.pad_token_id or 0
     )
-    return Learner(model, grpo)
+    return Learner(model, TrainerSection().grpo, derived=derived)
 
 
 def trainer_logprobs(learner: Learner, groups: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +245,7 @@ def trainer_logprobs(learner: Learner, groups: list) -> tuple[torch.Tensor, torc
     with torch.no_grad():
         for mb in split_micro_batches(batch, cfg.micro_batch_size, learner.max_tokens_per_micro_batch):
             logits = _forward_logits(learner.model, mb.input_ids, mb.attention_mask)
-            logp = token_logprobs(logits, mb.input_ids, cfg.temperature)
+            logp = token_logprobs(logits, mb.input_ids, learner.derived.temperature)
             del logits
             keep = mb.completion_mask.bool()
             ours.append(logp[keep])

@@ -45,7 +45,7 @@ def arm(model: str, kl_beta: float, sequences: int, tokens: int) -> dict:
     from echo_p2p.ml.tokenizer import encode_prompts
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.tasks.registry import build_task
-    from echo_p2p.train.config import GRPOConfig
+    from echo_p2p.train.config import DerivedSettings, GRPOConfig
     from echo_p2p.train.learner import Learner
     from echo_p2p.train.reference import reference_policy
     from echo_p2p.train.scored import ScoredGroup
@@ -55,8 +55,9 @@ def arm(model: str, kl_beta: float, sequences: int, tokens: int) -> dict:
     policy.eval()
     params = sum(p.numel() * p.element_size() for p in policy.parameters())
     loaded = status_kib("VmRSS") * 1024
-    config = GRPOConfig(kl_beta=kl_beta, policy_precision="bf16", pad_token_id=tokenizer.pad_token_id or 0)
-    reference = reference_policy(policy, config.policy_precision) if kl_beta > 0 else None
+    config = GRPOConfig(kl_beta=kl_beta)
+    derived = DerivedSettings(policy_precision="bf16", pad_token_id=tokenizer.pad_token_id or 0)
+    reference = reference_policy(policy, derived.policy_precision) if kl_beta > 0 else None
     with_reference = status_kib("VmRSS") * 1024
     task = build_task("arithmetic" if model == "smollm2" else "count", {})
     prompt = encode_prompts(tokenizer, [task.prompt(0)])[0]

@@ -88,7 +88,7 @@ class Arm:
 
         self.kind, self.k = parse_sampler(sampler)
         self.args = args
-        grpo = dict(micro_batch_size=args.micro_batch_size, temperature=1.0, **OBJECTIVES[objective])
+        grpo = dict(micro_batch_size=args.micro_batch_size, **OBJECTIVES[objective])
         spec = ModelSpec(preset=args.model, device=args.device)
         config = ColocatedConfig(
             model=spec,

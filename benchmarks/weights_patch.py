@@ -100,7 +100,7 @@ def main() -> None:
         "--policy-precision",
         choices=("fp32", "bf16", "fp16"),
         default="bf16",
-        help="the weights the learner's loss sees (GRPOConfig.policy_precision): a trainer of an auto/bf16 "
+        help="the weights the learner's loss sees (DerivedSettings.policy_precision): a trainer of an auto/bf16 "
         "stream uses bf16, the policy its receivers hold; fp32 shows the lag of a bf16 receiver",
     )
     parser.add_argument(
@@ -129,7 +129,8 @@ def main() -> None:
         group_size=args.group_size,
         prompts_per_step=args.prompts,
         optimizer={"lr": args.lr},
-        grpo={"micro_batch_size": 8, "policy_precision": args.policy_precision},
+        grpo={"micro_batch_size": 8},
+        policy_precision=args.policy_precision,
         steps=args.versions,
         threads=args.threads,
         seed=args.seed,

@@ -44,7 +44,7 @@ from echo_p2p.cli import add_task_option_flag, install_stop_handlers
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.models import ModelSpec
 from echo_p2p.paths import UserPath
-from echo_p2p.train.config import GRPOConfig, OptimizerConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig, OptimizerConfig, Precision
 from echo_p2p.train.evaluation import EvalConfig
 
 logger = logging.getLogger(__name__)
@@ -64,11 +64,20 @@ class ColocatedConfig(BaseModel):
     )
     group_size: int = Field(default=16, ge=2, description="Completions per prompt (G).")
     prompts_per_step: int = Field(default=16, ge=1, description="Prompts (groups) per training step.")
-    sampling: SamplingParams | None = Field(
-        default=None,
-        description="Sampling parameters; None: temperature = the GRPO temperature, max_new_tokens = the "
-        "task's cap. Its temperature must equal ``grpo.temperature``. Its seed is ignored: each step "
-        "samples with a seed derived from ``seed`` and the step number.",
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature; the loss's log-probs use the same."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off); as the loss's."
+    )
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off); as the loss's.")
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="Completion length cap; None: the task's own cap."
+    )
+    policy_precision: Precision = Field(
+        default="fp32",
+        description="The weights the loss sees (``train.config.DerivedSettings``): fp32, the loop's own; "
+        "bf16 / fp16 as a trainer peer of inference peers that hold that dtype (for benchmarks).",
     )
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="Loss and micro-batching settings.")
     optimizer: OptimizerConfig = Field(
@@ -108,12 +117,6 @@ class ColocatedConfig(BaseModel):
     def _check(self) -> ColocatedConfig:
         if self.steps is None and self.duration is None:
             raise ValueError("set steps, duration or both: the run needs an end")
-        for name in ("temperature", "top_k", "top_p"):
-            if self.sampling is not None and getattr(self.sampling, name) != getattr(self.grpo, name):
-                raise ValueError(
-                    f"sampling {name} {getattr(self.sampling, name)} != grpo.{name} "
-                    f"{getattr(self.grpo, name)}: the ratios against the behaviour log-probs would be wrong"
-                )
         return self
 
 
@@ -145,17 +148,23 @@ class ColocatedTrainer:
         self.model, self.tokenizer = load_policy(config.model)
         check_chat_template(self.tokenizer, self.task.conversational, config.model.use_chat_template)
         grpo = config.grpo
-        if self.tokenizer.pad_token_id is not None and grpo.pad_token_id != self.tokenizer.pad_token_id:
-            grpo = grpo.model_copy(update={"pad_token_id": int(self.tokenizer.pad_token_id)})
-        reference = reference_policy(self.model, grpo.policy_precision) if grpo.kl_beta > 0 else None
-        self.learner = Learner(self.model, grpo, ref_model=reference)
+        # the loss's log-probs are those of this loop's own sampling
+        derived = DerivedSettings(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+            policy_precision=config.policy_precision,
+        )
+        reference = reference_policy(self.model, derived.policy_precision) if grpo.kl_beta > 0 else None
+        self.learner = Learner(self.model, grpo, ref_model=reference, derived=derived)
         self.optimizer = config.optimizer.adamw(self.model.parameters())
         self.engine = TransformersEngine(self.model, self.tokenizer)
-        self.sampling = config.sampling or SamplingParams(
-            temperature=grpo.temperature,
-            top_k=grpo.top_k,
-            top_p=grpo.top_p,
-            max_new_tokens=self.task.max_new_tokens,
+        self.sampling = SamplingParams(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            max_new_tokens=config.max_new_tokens or self.task.max_new_tokens,
         )
         self.evaluator = Evaluator(
             config.evaluation,
@@ -386,11 +395,8 @@ def config_from_args(args: argparse.Namespace) -> ColocatedConfig:
         group_size=args.group_size,
         prompts_per_step=args.prompts_per_step,
         optimizer=OptimizerConfig(lr=_lr(args)),
-        grpo=dict(
-            temperature=args.temperature,
-            micro_batch_size=args.micro_batch_size,
-            kl_beta=args.kl_beta,
-        ),
+        temperature=args.temperature,
+        grpo=dict(micro_batch_size=args.micro_batch_size, kl_beta=args.kl_beta),
         evaluation=EvalConfig(enabled=not args.no_eval, every_seconds=args.eval_every),
         steps=args.steps or None,
         duration=args.duration,

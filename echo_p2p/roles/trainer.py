@@ -11,6 +11,7 @@ The publisher also scores its versions on the task's held-out prompts between tw
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -27,9 +28,26 @@ from echo_p2p.roles.trainer_weights import (
     reload_last_good,
     start_on_serving_grid,
 )
+from echo_p2p.train.config import DerivedSettings
 from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
 
 logger = logging.getLogger(__name__)
+
+
+def trainer_derived_settings(config: Any, tokenizer: Any) -> DerivedSettings:
+    """What a trainer peer's loss takes from the run, not from a setting: the run's sampling temperature,
+    top-k and top-p (the behaviour log-probs were computed at them), the tokenizer's pad id, the precision
+    its inference peers hold (``trainer.encoding``'s receiver dtype: the policy the loss sees is theirs)
+    and the log-prob gap past which a completion is left out (``trainer.reputation``)."""
+    run, section = config.run, config.trainer
+    return DerivedSettings(
+        temperature=run.temperature,
+        top_k=run.top_k,
+        top_p=run.top_p,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        policy_precision=section.encoding.receiver_dtype or "fp32",
+        max_logprob_gap=section.reputation.exclude_logprob_gap,
+    )
 
 
 class TrainerPeer(BasePeer):
@@ -101,21 +119,12 @@ class TrainerPeer(BasePeer):
         spec = run.model.model_copy(update={"quantize": None})  # a trainer keeps full precision
         self.model, self.tokenizer = load_policy(spec)
         self.model.eval()  # no dropout: the importance ratio compares like with like
-        grpo = section.grpo.model_copy(
-            update={
-                "temperature": run.temperature,
-                "top_k": run.top_k,
-                "top_p": run.top_p,
-                "pad_token_id": self.tokenizer.pad_token_id or 0,
-                # the policy the loss sees is the one inference peers hold (bf16 / fp16 or fp32)
-                "policy_precision": section.encoding.receiver_dtype or "fp32",
-                "max_logprob_gap": section.reputation.exclude_logprob_gap,
-            }
-        )
+        grpo = section.grpo
+        derived = trainer_derived_settings(self.config, self.tokenizer)
         # the KL penalty's reference: the starting policy, built from the run's model spec before any
         # checkpoint or other trainer's state is loaded (the same on a resumed or late trainer)
-        reference = reference_policy(self.model, grpo.policy_precision) if grpo.kl_beta > 0 else None
-        self.learner = Learner(self.model, grpo, ref_model=reference)
+        reference = reference_policy(self.model, derived.policy_precision) if grpo.kl_beta > 0 else None
+        self.learner = Learner(self.model, grpo, ref_model=reference, derived=derived)
         self.evaluator = Evaluator(
             section.evaluation,
             self.task,
@@ -134,6 +143,7 @@ class TrainerPeer(BasePeer):
                 "mode": self.config.mode,
                 **grpo.model_dump(mode="json"),
                 **section.optimizer.model_dump(mode="json"),
+                **dataclasses.asdict(derived),
             },
         )
 

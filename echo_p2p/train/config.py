@@ -1,4 +1,5 @@
-"""``GRPOConfig`` (the hyperparameters of a GRPO update) and ``OptimizerConfig`` (the AdamW that applies it).
+"""``GRPOConfig`` (the hyperparameters of a GRPO update), ``OptimizerConfig`` (the AdamW that applies it) and
+``DerivedSettings`` (what the loss takes from the run and the peer, never from the user).
 
 ``OptimizerConfig`` is the one optimizer setting of every trainer: trainer peers build their
 ``hivemind.Optimizer``'s AdamW with it (``collab.optimizer``) and the co-located loop its plain AdamW
@@ -9,6 +10,7 @@ the learner so that configs can be parsed and validated without importing torch.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 LossAggregation = Literal["token_mean", "seq_mean"]
+Precision = Literal["fp32", "bf16", "fp16"]
 Objective = Literal["ppo", "decoupled"]
 BehaviourWeight = Literal["truncate", "mask", "off"]
 
@@ -106,14 +109,6 @@ class GRPOConfig(BaseModel):
         "is above it adds ``ratio_cap * |A|`` to the loss and no gradient. Bounds what any reported "
         "behaviour log-prob can do to the loss (``grpo``). None: unbounded. Must exceed ``1 + clip_high``.",
     )
-    max_logprob_gap: float | None = Field(
-        default=None,
-        gt=0,
-        description="Completions whose behaviour log-probs differ from this policy's by more than this many "
-        "nats per token on average, on top of the group's allowance for the policy's own movement since it "
-        "was sampled, are left out of the loss (a sampler that lies about them); None: all are used. Trainer "
-        "peers set it from ``trainer.reputation`` (docs/security.md).",
-    )
     drift_probe_sequences: int = Field(
         default=16,
         ge=0,
@@ -128,23 +123,6 @@ class GRPOConfig(BaseModel):
         "``exp(ref - logp) - (ref - logp) - 1``, added to each completion token's loss and reported as ``kl``. "
         "> 0: trainer peers and the co-located loop keep a frozen copy of the starting policy "
         "(``train.reference``; one more copy of the model's parameters). 0: no reference is built.",
-    )
-    temperature: float = Field(
-        default=1.0,
-        gt=0,
-        description="Temperature of the log-probs; MUST equal the inference peers' sampling temperature, "
-        "since the behaviour log-probs were computed at it.",
-    )
-    top_k: int = Field(
-        default=0,
-        ge=0,
-        description="Top-k of the log-probs (0 = off); MUST equal the inference peers' sampling top-k.",
-    )
-    top_p: float = Field(
-        default=1.0,
-        gt=0,
-        le=1,
-        description="Top-p of the log-probs (1 = off); MUST equal the inference peers' sampling top-p.",
     )
     scale_rewards: bool = Field(
         default=True,
@@ -182,15 +160,37 @@ class GRPOConfig(BaseModel):
         description="Clip the total gradient norm to this after accumulation; None: no clipping (the norm "
         "is still reported).",
     )
-    policy_precision: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32",
-        description="The weights the loss is computed with: fp32 uses the model's own weights; bf16 / fp16 "
-        "rounds them to that dtype for the forward and backward (values kept in float32, so the compute "
-        "is the same) and the optimizer updates the fp32 master weights with that gradient (straight "
-        "through). A trainer peer sets it to the dtype its inference peers hold (`trainer.encoding`), so "
-        "that its policy is exactly theirs: with fp32 master weights at lr 1e-6 most updates stay below "
-        "bf16's resolution and the receivers' cast lags the trainer (docs/protocol.md section 3.6).",
-    )
-    pad_token_id: int = Field(
-        default=0, ge=0, description="Token id written in padding positions (never attended, never scored)."
-    )
+
+
+@dataclass(frozen=True)
+class DerivedSettings:
+    """What the learner's loss takes from the run and the peer rather than from a user setting: a trainer
+    peer derives it from the run settings, its tokenizer, its encoding and its reputation settings
+    (``roles.trainer``), the co-located loop from its own sampling and tokenizer. The defaults suit a
+    sampler at temperature 1 with no top-k / top-p, holding the trainer's own fp32 weights."""
+
+    #: Temperature, top-k (0 = off) and top-p (1 = off) of the log-probs: those the samplers sampled at
+    #: (the run's ``temperature`` / ``top_k`` / ``top_p``), since the behaviour log-probs were computed at them.
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    #: Token id written in padding positions (never attended, never scored): the tokenizer's.
+    pad_token_id: int = 0
+    #: The weights the loss is computed with: fp32 uses the model's own weights; bf16 / fp16 rounds them to
+    #: that dtype for the forward and backward (values kept in float32) and the optimizer updates the fp32
+    #: master weights with that gradient (straight through). A trainer peer uses the dtype its inference
+    #: peers hold (``trainer.encoding``), so that its policy is exactly theirs: with fp32 master weights at
+    #: lr 1e-6 most updates stay below bf16's resolution and the receivers' cast lags the trainer
+    #: (docs/protocol.md section 3.6).
+    policy_precision: Precision = "fp32"
+    #: Completions whose behaviour log-probs differ from this policy's by more than this many nats per
+    #: token on average, on top of the group's allowance for the policy's own movement since it was
+    #: sampled, are left out of the loss (a sampler that lies about them); None: all are used. Trainer
+    #: peers take ``trainer.reputation.exclude_logprob_gap`` (docs/security.md).
+    max_logprob_gap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.pad_token_id < 0:
+            raise ValueError(f"invalid derived settings: {self}")
+        if self.max_logprob_gap is not None and self.max_logprob_gap <= 0:
+            raise ValueError(f"max_logprob_gap must be positive or None, not {self.max_logprob_gap}")

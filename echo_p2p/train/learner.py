@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
 from echo_p2p.train.memory import memory_token_limit
 from echo_p2p.train.scored import ScoredGroup
@@ -95,12 +95,18 @@ class Learner:
     """
 
     def __init__(
-        self, model: torch.nn.Module, config: GRPOConfig, ref_model: torch.nn.Module | None = None
+        self,
+        model: torch.nn.Module,
+        config: GRPOConfig,
+        ref_model: torch.nn.Module | None = None,
+        derived: DerivedSettings | None = None,
     ) -> None:
         if config.kl_beta > 0 and ref_model is None:
             raise ValueError("kl_beta > 0 needs a ref_model")
         self.model = model
         self.config = config
+        #: what the loss takes from the run and the peer (sampling, padding, precision, log-prob gap)
+        self.derived = derived or DerivedSettings()
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
@@ -125,7 +131,7 @@ class Learner:
 
     def policy_weights(self) -> contextlib.AbstractContextManager[None]:
         """``rounded_weights`` of the model at ``policy_precision``: the weights the loss sees."""
-        return rounded_weights(self.model, self.config.policy_precision)
+        return rounded_weights(self.model, self.derived.policy_precision)
 
     @property
     def device(self) -> torch.device:
@@ -134,7 +140,7 @@ class Learner:
     def build_batch(self, groups: Sequence[ScoredGroup]) -> Batch:
         cfg = self.config
         return build_batch(
-            groups, pad_token_id=cfg.pad_token_id, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps
+            groups, pad_token_id=self.derived.pad_token_id, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps
         )
 
     def compute_gradients(
@@ -161,7 +167,7 @@ class Learner:
         ``current_version``: the policy version being trained (the rows' staleness is measured from it), for
         ``proximal="previous_version"``; None: the proximal policy is this one.
         """
-        cfg = self.config
+        cfg, run = self.config, self.derived
         t0 = time.perf_counter()
         if zero_grad:
             self.model.zero_grad(set_to_none=True)
@@ -181,7 +187,7 @@ class Learner:
                 mb = mb.to(device)
                 keep = _positions_to_keep(mb)
                 logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
-                logp = token_logprobs(logits, mb.input_ids, cfg.temperature, cfg.top_k, cfg.top_p)
+                logp = token_logprobs(logits, mb.input_ids, run.temperature, run.top_k, run.top_p)
                 del logits
                 if self._probe is None:
                     self._probe = self._take_probe(mb, logp, keep)
@@ -193,7 +199,7 @@ class Learner:
                     with torch.no_grad():
                         ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
                         ref_logp = token_logprobs(
-                            ref_logits, mb.input_ids, cfg.temperature, cfg.top_k, cfg.top_p
+                            ref_logits, mb.input_ids, run.temperature, run.top_k, run.top_p
                         )
                         del ref_logits
                 loss, mb_stats = grpo_loss(
@@ -283,7 +289,7 @@ class Learner:
             for index, total, n in zip(mb.group_index.tolist(), sums.tolist(), counts.tolist(), strict=True):
                 before = gaps.get(index, (0.0, 0.0))
                 gaps[index] = (before[0] + total, before[1] + n)
-            limit = self.config.max_logprob_gap
+            limit = self.derived.max_logprob_gap
             if limit is None:
                 return mask
             bound = limit if allowance is None else limit + allowance[mb.group_index.cpu()].to(sums.device)
@@ -321,7 +327,7 @@ class Learner:
         with torch.no_grad(), self.policy_weights():
             logits = _forward_logits(self.model, input_ids, attention_mask, keep)
             after = token_logprobs(
-                logits, input_ids, self.config.temperature, self.config.top_k, self.config.top_p
+                logits, input_ids, self.derived.temperature, self.derived.top_k, self.derived.top_p
             )
             del logits
         change = float(((after - before).abs() * completion_mask).sum()) / tokens

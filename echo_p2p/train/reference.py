@@ -24,7 +24,7 @@ _DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, 
 def reference_policy(model: torch.nn.Module, precision: str = "fp32") -> torch.nn.Module:
     """A frozen deep copy of ``model`` (no gradients, eval mode) whose floating-point values are rounded to
     ``precision`` ('fp32': as they are; 'bf16' / 'fp16': rounded, kept in their own dtype), the weights the
-    loss sees at that ``GRPOConfig.policy_precision``: the KL to the reference is exactly 0 before the first
+    loss sees at that ``DerivedSettings.policy_precision``: the KL to the reference is exactly 0 before the first
     update, whether or not the policy itself starts on that grid."""
     if precision not in _DTYPES:
         raise ValueError(f"unknown precision {precision!r} (fp32, bf16, fp16)")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
     from echo_p2p.rollout import Completion, RolloutGroup
     from echo_p2p.tasks.registry import build_task
-    from echo_p2p.train.config import GRPOConfig, OptimizerConfig
+    from echo_p2p.train.config import DerivedSettings, GRPOConfig, OptimizerConfig
     from echo_p2p.train.learner import Learner
     from echo_p2p.train.scored import ScoredGroup
 
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.maddrs_file:
         _write_atomic(Path(args.maddrs_file), "\n".join(visible_maddrs(dht)).encode())
 
-    grpo = GRPOConfig(micro_batch_size=64, pad_token_id=tokenizer.pad_token_id)
-    learner = Learner(model, grpo)
+    grpo = GRPOConfig(micro_batch_size=64)
+    learner = Learner(model, grpo, derived=DerivedSettings(pad_token_id=tokenizer.pad_token_id))
     config = CollabOptimizerConfig(
         target_batch_size=args.target_batch_size,
         matchmaking_time=args.matchmaking_time,

@@ -75,14 +75,13 @@ def test_help_does_not_import_torch() -> None:
 
 def test_config_guards() -> None:
     from echo_p2p.colocated import ColocatedConfig
-    from echo_p2p.ml.engine import SamplingParams
     from echo_p2p.train.config import GRPOConfig
 
     cfg = ColocatedConfig()
     assert isinstance(cfg.grpo, GRPOConfig) and cfg.optimizer.lr == 1e-3 and cfg.steps == 300
     assert ColocatedConfig(optimizer={"lr": 2e-3}).optimizer.betas == (0.9, 0.999)  # defaults fill the rest
     with pytest.raises(ValueError, match="temperature"):
-        ColocatedConfig(sampling=SamplingParams(temperature=0.7, max_new_tokens=7))
+        ColocatedConfig(temperature=0)  # one temperature for sampling and the loss: nothing to disagree
     with pytest.raises(ValueError, match="needs an end"):
         ColocatedConfig(steps=None, duration=None)
     with pytest.raises(ValueError):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from echo_p2p.guard.drift import PolicyDrift
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.learner import Learner
 
 
@@ -76,7 +76,7 @@ def test_the_allowance_keeps_a_stale_groups_completions_in_the_loss(tiny_model, 
     groups = random_groups(num_groups=2, seed=11)
     for completion in groups[1].group.completions:
         completion.logprobs[:] = [-30.0] * len(completion.logprobs)
-    learner = Learner(model, GRPOConfig(max_logprob_gap=4.0))
+    learner = Learner(model, GRPOConfig(), derived=DerivedSettings(max_logprob_gap=4.0))
     assert learner.compute_gradients(groups)["excluded_sequences"] == len(groups[1].group.completions)
     # the policy moved by 40 nats per token since group 1 was sampled: its gap is the policy's, not a lie
     assert learner.compute_gradients(groups, gap_allowance=[0.0, 40.0])["excluded_sequences"] == 0

@@ -10,7 +10,7 @@ from echo_p2p.guard.sender_guard import SenderGuard
 from echo_p2p.guard.trust import RunTrust, TrustedTrainers
 from echo_p2p.net.records import Ban, BanRecord
 from echo_p2p.train.buffer import ReplayBuffer
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.learner import Learner
 
 T1 = "QmQAbD1EUxToUawWUKjh1doo9iC83FjbPVdhye9gwMeo2v"
@@ -126,7 +126,7 @@ def test_guard_bans_drops_the_senders_groups_publishes_and_adopts_only_trusted_b
 def test_learner_leaves_out_completions_whose_behaviour_logprobs_are_made_up(tiny_model, random_groups):
     model = tiny_model()
     groups = random_groups(num_groups=3, seed=7)
-    learner = Learner(model, GRPOConfig(max_logprob_gap=10.0, max_grad_norm=None))
+    learner = Learner(model, GRPOConfig(max_grad_norm=None), derived=DerivedSettings(max_logprob_gap=10.0))
     stats = learner.compute_gradients(groups)
     honest_gaps = list(learner.last_group_gaps)  # random log-probs of -0.5..-4: a few nats off, kept
     assert len(honest_gaps) == 3 and all(0 < g < 10 for g in honest_gaps) and stats["excluded_sequences"] == 0
@@ -136,7 +136,7 @@ def test_learner_leaves_out_completions_whose_behaviour_logprobs_are_made_up(tin
     assert learner.last_group_gaps[1] > 20 and stats["excluded_sequences"] == len(groups[1].group.completions)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # the gradient equals that of the batch without the liar's completions
-    reference = Learner(model, GRPOConfig(max_logprob_gap=None, max_grad_norm=None))
+    reference = Learner(model, GRPOConfig(max_grad_norm=None))
     reference.compute_gradients([groups[0], groups[2]])
     n_all = sum(len(c.token_ids) for g in groups for c in g.group.completions)
     n_kept = sum(len(c.token_ids) for g in (groups[0], groups[2]) for c in g.group.completions)
@@ -144,4 +144,4 @@ def test_learner_leaves_out_completions_whose_behaviour_logprobs_are_made_up(tin
         if p.grad is not None and name in grads:
             torch.testing.assert_close(grads[name], p.grad * n_kept / n_all, atol=1e-5, rtol=1e-3)
     with pytest.raises(ValueError):
-        GRPOConfig(max_logprob_gap=0)
+        DerivedSettings(max_logprob_gap=0)

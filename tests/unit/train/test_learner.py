@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.config import GRPOConfig, OptimizerConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig, OptimizerConfig
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
@@ -117,13 +117,15 @@ def test_on_policy_rollouts_have_ratio_one(tiny_model) -> None:
     for k, prompt in enumerate([[3, 4], [5, 6, 7, 8], [9]]):
         grp = _sample_group(model, prompt, group_size=4, new_tokens=2 + k, temperature=temperature, gen=gen)
         groups.append(ScoredGroup(grp, [float(i % 2) for i in range(4)]))
-    stats = Learner(model, GRPOConfig(temperature=temperature, micro_batch_size=5)).compute_gradients(groups)
+    stats = Learner(
+        model, GRPOConfig(micro_batch_size=5), derived=DerivedSettings(temperature=temperature)
+    ).compute_gradients(groups)
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert abs(stats["behaviour_kl"]) < 1e-4
     assert stats["clip_frac"] == 0.0
     # a mismatched temperature shows up as off-policy
-    stats = Learner(model, GRPOConfig(temperature=1.0)).compute_gradients(groups)
+    stats = Learner(model, GRPOConfig()).compute_gradients(groups)
     assert abs(stats["ratio_mean"] - 1.0) > 1e-3
 
 
@@ -214,7 +216,9 @@ def test_policy_precision_computes_the_receivers_policy_and_updates_the_fp32_mas
     master = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = dict(micro_batch_size=3, max_grad_norm=None)
 
-    stats = Learner(model, GRPOConfig(policy_precision="bf16", **cfg)).compute_gradients(groups)
+    stats = Learner(
+        model, GRPOConfig(**cfg), derived=DerivedSettings(policy_precision="bf16")
+    ).compute_gradients(groups)
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and stats["clip_frac"] == 0.0
     assert all(torch.equal(p, master[n]) for n, p in model.named_parameters())  # master put back exactly
     grads = _grads(model)

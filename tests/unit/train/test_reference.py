@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo_p2p.train.config import GRPOConfig, OptimizerConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig, OptimizerConfig
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.reference import reference_policy
 
@@ -38,10 +38,11 @@ def test_reference_on_the_loss_grid_makes_the_kl_exactly_zero_before_any_update(
     holds the rounded values, so the KL of the unchanged policy is 0; an fp32 copy would not be."""
     model = tiny_model()
     groups = random_groups(seed=5)
-    config = GRPOConfig(kl_beta=0.1, policy_precision="bf16", max_grad_norm=None)
-    rounded = Learner(model, config, ref_model=reference_policy(model, "bf16")).compute_gradients(groups)
+    config = GRPOConfig(kl_beta=0.1, max_grad_norm=None)
+    bf16 = DerivedSettings(policy_precision="bf16")
+    rounded = Learner(model, config, reference_policy(model, "bf16"), bf16).compute_gradients(groups)
     assert rounded["kl"] == 0.0
-    unrounded = Learner(model, config, ref_model=reference_policy(model, "fp32")).compute_gradients(groups)
+    unrounded = Learner(model, config, reference_policy(model, "fp32"), bf16).compute_gradients(groups)
     assert unrounded["kl"] > 0.0
     for p in reference_policy(model, "bf16").parameters():
         assert p.dtype == torch.float32 and torch.equal(p, p.to(torch.bfloat16).float())

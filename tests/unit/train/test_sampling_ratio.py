@@ -3,6 +3,8 @@ its log-probs under the same settings (the real tiny preset, the real transforme
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from echo_p2p.ml.engine import SamplingParams, TransformersEngine
 from echo_p2p.ml.models import ModelSpec, load_policy
 from echo_p2p.ml.tokenizer import encode_prompts
 from echo_p2p.rollout import Completion, RolloutGroup
-from echo_p2p.train.config import GRPOConfig
+from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
@@ -45,13 +47,14 @@ def test_on_policy_ratio_is_one_under_top_p_and_top_k(policy, settings):
     model, tok = policy
     params = SamplingParams(max_new_tokens=24, seed=5, **settings)
     groups = on_policy_groups(model, tok, params)
-    config = GRPOConfig(pad_token_id=tok.pad_token_id or 0, micro_batch_size=64, **settings)
-    stats = Learner(model, config).compute_gradients(groups)
+    config = GRPOConfig(micro_batch_size=64)
+    derived = DerivedSettings(pad_token_id=tok.pad_token_id or 0, **settings)
+    stats = Learner(model, config, derived=derived).compute_gradients(groups)
     model.zero_grad(set_to_none=True)
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=0.01), stats
     assert stats["clip_frac"] == 0.0 and stats["behaviour_outside_clip_frac"] == 0.0, stats
     # the trainer's full softmax against the same rollouts: what happened before settings travelled
-    unfiltered = config.model_copy(update={"top_k": 0, "top_p": 1.0})
-    stats = Learner(model, unfiltered).compute_gradients(groups)
+    unfiltered = dataclasses.replace(derived, top_k=0, top_p=1.0)
+    stats = Learner(model, config, derived=unfiltered).compute_gradients(groups)
     model.zero_grad(set_to_none=True)
     assert abs(stats["ratio_mean"] - 1.0) > 0.05 and stats["behaviour_outside_clip_frac"] > 0.05, stats
