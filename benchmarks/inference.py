@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from echo_p2p.config import InferenceSection, PeerConfig, RunSettings, TrainerSection
+from echo_p2p.config import PeerConfig, RunSettings, TrainerSection
 from echo_p2p.ml.engine import TransformersEngine, completion_logprobs
 from echo_p2p.ml.models import ModelNotFoundError, ModelSpec, load_policy, quantize_linear_layers_
 from echo_p2p.net.identity import load_or_create_identity
@@ -107,7 +107,8 @@ def make_peer(setup: Setup, model, tokenizer, identity) -> InferencePeer:
         role="inference",
         run_id="bench-inference",
         network=NetworkConfig(initial_peers=[f"/ip4/127.0.0.1/tcp/9/p2p/{identity.peer_id}"]),
-        inference=InferenceSection(trusted_trainers=os.devnull, seed=0),
+        trusted_trainers=os.devnull,
+        seed=0,
         run=RunSettings(
             model=setup.spec,
             task=setup.task,

@@ -131,14 +131,7 @@ class InferenceSection(StrictModel):
     vllm: VllmEngineConfig = Field(
         default_factory=VllmEngineConfig, description="Settings of the vLLM engine (engine: vllm)"
     )
-    trusted_trainers: UserPath | None = Field(
-        default=None,
-        description="File of the trainers' public keys / peer ids that this peer accepts weights from and "
-        "pushes rollouts to (docs/trust.md); required unless the run has an owner (run_owner / run_record)",
-    )
     prompts_per_batch: int = Field(default=16, ge=1, le=4096, description="Prompts sampled together (async)")
-    threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
-    seed: int | None = Field(default=None, description="Seed of prompt choice and sampling (None: random)")
     first_version_timeout: float = Field(
         default=600.0, gt=0, description="Seconds to wait for the first policy version before giving up"
     )
@@ -168,11 +161,6 @@ class InferenceSection(StrictModel):
 class TrainerSection(StrictModel):
     """Settings of a trainer peer."""
 
-    trusted_trainers: UserPath | None = Field(
-        default=None,
-        description="File of the run's trainers (docs/trust.md) among whom the publisher is elected, for runs "
-        "without an owner; unset and no run owner: any peer announcing itself a trainer takes part",
-    )
     reputation: ReputationConfig = Field(
         default_factory=ReputationConfig,
         description="How the trainer checks senders' behaviour log-probs and bans liars (docs/security.md)",
@@ -244,8 +232,6 @@ class TrainerSection(StrictModel):
         "most 5% of the time)",
     )
     sync_timeout: float = Field(default=60.0, gt=0, description="Sync: deadline (s) to collect one batch")
-    threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
-    seed: int | None = Field(default=None, description="Seed of prompt choice (None: random)")
     max_steps: int | None = Field(
         default=None, ge=1, description="Stop after this many versions (None: never)"
     )
@@ -302,6 +288,18 @@ class PeerConfig(StrictModel):
         default=None,
         description="A signed run record file (python -m echo_p2p.owner sign): this peer keeps it on the DHT "
         "and trusts its trainers (given to the trainers; a bootstrap takes one too)",
+    )
+    trusted_trainers: UserPath | None = Field(
+        default=None,
+        description="For runs without an owner (run_owner / run_record): the file of the run's trainers' "
+        "public keys / peer ids (docs/trust.md). An inference peer accepts weights from and pushes rollouts "
+        "to these only (it needs one of the three); trainers elect the publisher among them (unset: any "
+        "peer announcing itself a trainer takes part)",
+    )
+    threads: int | None = Field(default=None, ge=1, description="torch CPU threads (None: torch's default)")
+    seed: int | None = Field(
+        default=None,
+        description="Seed of the prompts this peer picks (an inference peer: and of its sampling); None: random",
     )
     run: RunSettings = Field(default_factory=RunSettings, description="What all peers of the run agree on")
     inference: InferenceSection = Field(
@@ -365,13 +363,12 @@ class PeerConfig(StrictModel):
                 "network.initial_peers is empty: pass --initial-peers with the multiaddr a bootstrap printed"
             )
         owned = self.run_owner is not None or self.run_record is not None
-        if self.role == "inference" and not self.inference.trusted_trainers and not owned:
+        if self.role == "inference" and not self.trusted_trainers and not owned:
             raise ValueError(
                 "no trusted trainers: an inference peer accepts policy weights only from the run's trainers; "
                 "join with --join RUN:OWNER@MADDRS, or pass --trusted-trainers FILE (see docs/trust.md)"
             )
-        section = self.inference if self.role == "inference" else self.trainer
-        if owned and section.trusted_trainers:
+        if owned and self.trusted_trainers:
             raise ValueError(
                 "give either a run owner (--join / --run-record) or --trusted-trainers, not both: the run "
                 "record lists the trainers"
@@ -431,7 +428,7 @@ ENV_VARS: dict[str, str] = {
     "ECHO_HOST_MADDRS": "network.host_maddrs",
     "ECHO_ANNOUNCE_MADDRS": "network.announce_maddrs",
     "ECHO_IDENTITY_PATH": "network.identity_path",
-    "ECHO_TRUSTED_TRAINERS": "inference.trusted_trainers",
+    "ECHO_TRUSTED_TRAINERS": "trusted_trainers",
 }
 #: The subset that makes sense for a bootstrap peer.
 BOOTSTRAP_ENV_VARS: dict[str, str] = {

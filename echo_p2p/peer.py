@@ -191,8 +191,9 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "run.top_k": args.top_k,
         "run.sampler_precisions": args.sampler_precisions.split(",") if args.sampler_precisions else None,
         "run.max_new_tokens": args.max_new_tokens,
-        "inference.trusted_trainers": args.trusted_trainers,
-        "trainer.trusted_trainers": args.trusted_trainers,
+        "trusted_trainers": args.trusted_trainers,
+        "threads": args.threads,
+        "seed": args.seed,
         "run_record": args.run_record,
         "inference.engine": args.engine,
         "inference.prompts_per_batch": args.prompts_per_batch,
@@ -221,9 +222,6 @@ def parse_config(argv: list[str] | None = None, environ=None):
     for key, value in (("quantize", args.quantize), ("device", args.device)):
         if value is not None:
             flags[f"run.model.{key}"] = value
-    for section in ("inference", "trainer"):
-        flags[f"{section}.threads"] = args.threads
-        flags[f"{section}.seed"] = args.seed
     if args.join is not None:
         from echo_p2p.config import ConfigError
         from echo_p2p.net.run_record import JoinAddress
@@ -264,10 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(exc), EXIT_CONFIG)
     from echo_p2p.guard.trust import TrustedTrainers, TrustFileError
 
-    section = config.inference if config.role == "inference" else config.trainer
-    if section.trusted_trainers:
+    if config.trusted_trainers:
         try:
-            TrustedTrainers.from_file(section.trusted_trainers)
+            TrustedTrainers.from_file(config.trusted_trainers)
         except (TrustFileError, OSError) as exc:
             fail(f"--trusted-trainers: {exc}", EXIT_CONFIG)
     if config.run_record:

@@ -205,8 +205,7 @@ class BasePeer:
             if self._signed_run_record is not None and trust.update([self._signed_run_record]):
                 self._check_run_settings(trust.record)
             return trust
-        section = config.inference if self.role == "inference" else config.trainer
-        path = section.trusted_trainers
+        path = config.trusted_trainers
         return RunTrust(fixed=TrustedTrainers.from_file(path) if path else None)
 
     def _find_run_record(self) -> None:

@@ -46,7 +46,7 @@ class InferencePeer(BasePeer):
         self._engine_lock = threading.Lock()  # engine weights + self.policy_version change together
         self._new_version = threading.Condition()  # notified when a newer version is in the engine
         self.stale_waits = 0  # times sampling waited because the trainers refused this version as too stale
-        self._rng = random.Random(self.section.seed)
+        self._rng = random.Random(config.seed)
         self._started_work = time.monotonic()
         #: Progress callback of weight fetches (the CLI sets a bar / log reporter); None: silent.
         self.on_weights_progress = None
@@ -69,10 +69,10 @@ class InferencePeer(BasePeer):
         from echo_p2p.transport.weights.fetcher import WeightFetcher
 
         run, section = self.config.run, self.section
-        if section.threads:
+        if self.config.threads:
             import torch
 
-            torch.set_num_threads(section.threads)
+            torch.set_num_threads(self.config.threads)
         self.task = build_task(run.task, run.task_options)
         self.params = run.sampling_params(self.task.max_new_tokens)
         precision = run.sampler_precision()

@@ -113,8 +113,8 @@ class TrainerPeer(BasePeer):
         from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 
         run, section = self.config.run, self.section
-        if section.threads:
-            torch.set_num_threads(section.threads)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
         self.task = build_task(run.task, run.task_options)
         spec = run.model.model_copy(update={"quantize": None})  # a trainer keeps full precision
         self.model, self.tokenizer = load_policy(spec)

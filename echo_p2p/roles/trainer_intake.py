@@ -46,7 +46,7 @@ class SyncIntake:
         self.stop_event = stop_event
         self.prefix = prefix
         self.rejected: Counter[str] = Counter()
-        self._rng = random.Random(config.trainer.seed)
+        self._rng = random.Random(config.seed)
 
     def collect(self, version: int) -> list | None:
         """The validated groups of one step at ``version``, or None when none came (no inference peer yet,

@@ -145,8 +145,7 @@ PEER_PATH_FIELDS = {
     "network.identity_path",
     "metrics_dir",
     "run_record",
-    "inference.trusted_trainers",
-    "trainer.trusted_trainers",
+    "trusted_trainers",
     "trainer.checkpoint_dir",
     "trainer.report.dir",
     "run.model.path",
@@ -184,7 +183,7 @@ def test_every_path_setting_expands_home_and_variables(tmp_path, monkeypatch):
         for i, dotted in enumerate(sorted(PEER_PATH_FIELDS))
     }
     # a peer takes a run record or a trusted-trainers file, and a model directory or a GGUF file
-    other = {k: values.pop(k) for k in ("inference.trusted_trainers", "trainer.trusted_trainers")}
+    other = {"trusted_trainers": values.pop("trusted_trainers")}
     other["run.model.path"] = values.pop("run.model.path")
     (tmp_path / "data" / "peer.yaml").write_text("role: trainer\n")
     base = {"run_id": "r", "network.initial_peers": [MADDR]}
