@@ -1,7 +1,9 @@
 """GRPO training, pure ML (no networking): what a trainer learns from and how (what it refuses is
 ``echo_p2p.guard``).
 
-- ``config``: ``GRPOConfig``, the update's hyper-parameters (validated without torch).
+- ``config``: ``GRPOConfig`` (the update's hyper-parameters), ``OptimizerConfig`` (the AdamW of trainer peers
+  and the co-located loop) and ``DerivedSettings`` (what the loss takes from the run, not from a setting);
+  validated without torch.
 - ``grpo``: advantages, per-token log-probs, the clipped GRPO loss and its KL term (pure functions).
 - ``batching``: scored groups -> right-padded tensors and micro-batches.
 - ``memory``: bytes per token of a forward/backward; the micro-batch token limit of a memory budget.

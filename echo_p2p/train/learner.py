@@ -1,6 +1,6 @@
 """The learner: owns the policy model and turns scored rollout groups into GRPO gradients.
 
-Owned here: ``GRPOConfig`` (every knob of the loss and of the micro-batching) and ``Learner``, which builds
+Owned here: ``Learner`` (its settings: ``train.config``'s ``GRPOConfig`` and ``DerivedSettings``), which builds
 the batch, runs forward/backward over micro-batches with gradient accumulation and clips the gradient
 norm. Micro-batches are bounded by rows, by padded tokens and by a memory budget that ``memory`` turns
 into tokens from the model's config; a transformers model computes logits only for the positions that
