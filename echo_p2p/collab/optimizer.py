@@ -69,6 +69,7 @@ Traps
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -239,6 +240,7 @@ def make_collab_optimizer(
     optimizer: OptimizerConfig,
     *,
     private_key: Any | None = None,
+    leaving: threading.Event | None = None,
 ) -> hivemind.Optimizer:
     """A ``hivemind.Optimizer`` (``optimizer.adamw`` inside) over ``params`` for the trainers of echo run
     ``run_id``.
@@ -248,6 +250,8 @@ def make_collab_optimizer(
     :param params: the trainable parameters of the policy (load any checkpoint into them first)
     :param private_key: the key the DHT signs records with (``identity.private_key`` when the DHT came
         from ``start_dht``); None: hivemind's process-wide key, right for a plain ``hivemind.DHT``
+    :param leaving: an event the caller sets when it leaves the run (e.g. its stop event): a gradient round
+        still waited for is then abandoned rather than waited out (``averaging_timeout``)
     Gradients are averaged once per epoch (``use_local_updates=False``): every trainer of an epoch applies the
     same update. ``optimizer.local_epoch`` is the policy version.
     """
@@ -269,6 +273,7 @@ def make_collab_optimizer(
         raise ValueError("no trainable parameters to optimise")
     return SyncedOptimizer(
         dht=dht,
+        leaving=leaving,
         run_id=trainer_swarm_run_id(run_id),
         params=params,
         optimizer=optimizer.adamw,

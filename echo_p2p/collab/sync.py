@@ -44,6 +44,8 @@ import functools
 import hashlib
 import logging
 import secrets
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -59,6 +61,7 @@ logger = logging.getLogger(__name__)
 SyncTag = tuple[int, str]  # (epoch, token)
 TAG_KEY = "echo_sync"  # key of the tag in a downloaded state's metadata
 NEVER = 2**62  # hivemind's ``average_state_every`` for "no state averaging" (epoch % NEVER is never 0)
+LEAVE_POLL_S = 0.2  # how often a wait for a gradient round looks whether the trainer is leaving
 
 
 def parse_tag(value: Any) -> SyncTag | None:
@@ -195,11 +198,15 @@ class SyncedOptimizer(hivemind.Optimizer):
         dht: hivemind.DHT,
         client_mode: bool | None = None,
         grad_averager_opts: dict[str, Any] | None = None,
+        leaving: threading.Event | None = None,
         **kwargs: Any,
     ) -> None:
         if "grad_averager_factory" in kwargs:
             raise TypeError("SyncedOptimizer builds its own gradient averager: pass grad_averager_opts")
         self._client_mode = dht.client_mode if client_mode is None else bool(client_mode)
+        # set when the trainer leaves: a gradient round still waited for is abandoned (the trainer applies its
+        # own gradients and its step returns) instead of waiting out ``averaging_timeout``
+        self.leaving = leaving if leaving is not None else threading.Event()
         self.sync_token = fresh_token()
         self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
         self.sync_stats = dict(
@@ -258,7 +265,7 @@ class SyncedOptimizer(hivemind.Optimizer):
         averaged = False
         try:
             if maybe_step_control is not None:
-                gathered = maybe_step_control.result(self.averaging_timeout)
+                gathered = self._round_result(maybe_step_control)
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
                 self._load_averaged_gradients_into_optimizer_()
                 averaged = True
@@ -269,6 +276,21 @@ class SyncedOptimizer(hivemind.Optimizer):
             logger.log(self.status_loglevel, f"Averaging gradients failed with {e!r}")
         if not averaged:
             self._load_local_gradients_into_optimizer()
+
+    def _round_result(self, control: Any) -> Any:
+        """The gathered data of a gradient round, waited for at most ``averaging_timeout`` seconds, or less:
+        once ``leaving`` is set the round is cancelled and ``TimeoutError`` raised at the next poll."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return control.result(max(0.0, min(LEAVE_POLL_S, remaining)))
+            except TimeoutError:
+                if remaining <= LEAVE_POLL_S:
+                    raise
+                if self.leaving.is_set():
+                    control.cancel()
+                    raise TimeoutError("the trainer is leaving: gradient round abandoned") from None
 
     def _after_epoch(self, before: SyncTag) -> None:
         me = str(self.dht.peer_id)

@@ -167,6 +167,7 @@ class TrainerPeer(BasePeer):
             section.collab,
             section.optimizer,
             private_key=self.identity.private_key,
+            leaving=self.stop_event,
         )
         if loaded is not None and loaded.optimizer_state is not None:
             self.optimizer.load_state_dict(loaded.optimizer_state)

@@ -140,3 +140,56 @@ def test_a_member_whose_averages_arrived_only_in_part_is_off_the_reference_and_d
     assert a.in_sync and not a._must_resync and a.sync_stats["agreed"] == 1
     assert not b.in_sync and b._must_resync and b.sync_stats["diverged"] == 1
     assert b.sync_token != a.sync_token  # never served as A's lineage
+
+
+class _Round:
+    """A pending gradient round (hivemind's ``StepControl``): ``result`` blocks until ``ready`` is set."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.ready = threading.Event()
+        self.cancelled = False
+
+    def result(self, timeout: float):
+        if not self.ready.wait(timeout):
+            raise TimeoutError
+        return {"peer": {"epoch": 1, "token": "t"}}
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_trainer_that_leaves_abandons_the_gradient_round_it_waits_for_at_once() -> None:
+    """Stopping a trainer used to wait out ``averaging_timeout`` (~10 s on the tiny model) in a round that
+    would fail (its peer had left): now the round is cancelled within a poll of the stop."""
+    import threading
+    import time
+
+    leaving = threading.Event()
+    optimizer = SimpleNamespace(averaging_timeout=30.0, leaving=leaving)
+    pending = _Round()
+    threading.Timer(0.3, leaving.set).start()
+    t0 = time.monotonic()
+    try:
+        SyncedOptimizer._round_result(optimizer, pending)
+    except TimeoutError as exc:
+        assert "leaving" in str(exc)
+    else:
+        raise AssertionError("a round abandoned on leaving must not return a result")
+    assert time.monotonic() - t0 < 1.5 and pending.cancelled
+
+    # not leaving: the round's result, or TimeoutError after averaging_timeout, with nothing cancelled
+    done = _Round()
+    threading.Timer(0.3, done.ready.set).start()
+    assert SyncedOptimizer._round_result(SimpleNamespace(averaging_timeout=5.0, leaving=threading.Event()), done)
+    late = _Round()
+    t0 = time.monotonic()
+    try:
+        SyncedOptimizer._round_result(SimpleNamespace(averaging_timeout=0.5, leaving=threading.Event()), late)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("a round that never ends times out")
+    assert 0.45 < time.monotonic() - t0 < 2 and not late.cancelled and not done.cancelled
