@@ -183,7 +183,9 @@ def test_a_trainer_that_leaves_abandons_the_gradient_round_it_waits_for_at_once(
     # not leaving: the round's result, or TimeoutError after averaging_timeout, with nothing cancelled
     done = _Round()
     threading.Timer(0.3, done.ready.set).start()
-    assert SyncedOptimizer._round_result(SimpleNamespace(averaging_timeout=5.0, leaving=threading.Event()), done)
+    assert SyncedOptimizer._round_result(
+        SimpleNamespace(averaging_timeout=5.0, leaving=threading.Event()), done
+    )
     late = _Round()
     t0 = time.monotonic()
     try:
