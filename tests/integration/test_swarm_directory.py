@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import LOOPBACK, read_log, wait_until
+from tests.conftest import LOOPBACK, StatusReader, read_log, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,8 +39,13 @@ def status_json(maddr: str, run_id: str) -> dict:
     return json.loads(r.stdout)
 
 
+def running_roles(status: dict) -> dict[str, str]:
+    return {p["peer_id"]: p["role"] for p in status["peers"] if p["state"] == "running"}
+
+
 def roles_seen(maddr: str, run_id: str) -> dict[str, str]:
-    return {p["peer_id"]: p["role"] for p in status_json(maddr, run_id)["peers"] if p["state"] == "running"}
+    """As the CLI prints them (a process per call)."""
+    return running_roles(status_json(maddr, run_id))
 
 
 def peer_id_from_log(proc) -> str:
@@ -75,20 +80,31 @@ def test_status_lists_peers_with_roles_then_forgets_killed_and_stopped_ones(proc
         wait_until(lambda p=p: "joined run" in read_log(p) or p.poll() is not None, 60, what="peer join")
         assert p.poll() is None, read_log(p)
     ids = {peer_id_from_log(p): p for p in (trainer, inf1, inf2)}
+    reader = StatusReader(maddr, ["run-a", "run-b"], tmp_path)  # the CLI's read, without a process per poll
+    try:
+        _status_follows_joins_kills_and_stops(procs, maddr, reader, trainer, inf1, inf2, ids)
+    finally:
+        reader.close()
+
+
+def _status_follows_joins_kills_and_stops(procs, maddr, reader, trainer, inf1, inf2, ids) -> None:
+    def seen_by_reader(run_id: str = "run-a") -> dict[str, str]:
+        return running_roles(reader.status(run_id))
 
     def three_peers():
-        seen = roles_seen(maddr, "run-a")
+        seen = seen_by_reader()
         return seen if len(seen) == 3 else None
 
     seen = wait_until(three_peers, 30, what="3 peers")
     assert seen == {pid: ("trainer" if p is trainer else "inference") for pid, p in ids.items()}
-    assert list(roles_seen(maddr, "run-b").values()) == ["inference"]  # runs do not mix
+    assert roles_seen(maddr, "run-a") == seen  # the CLI prints the same
+    assert list(seen_by_reader("run-b").values()) == ["inference"]  # runs do not mix
 
     # SIGKILL (whole process group: the machine is gone): the record expires after its TTL
     killed_id = peer_id_from_log(inf1)
     procs.kill_group(inf1, signal.SIGKILL)
     t0 = time.monotonic()
-    wait_until(lambda: killed_id not in roles_seen(maddr, "run-a"), 30, what="killed peer to expire")
+    wait_until(lambda: killed_id not in seen_by_reader(), 30, what="killed peer to expire")
     assert time.monotonic() - t0 < 15
 
     # SIGTERM to the peer's own process: it leaves cleanly, exit 0, no child process (DHT, p2pd) left
@@ -104,8 +120,8 @@ def test_status_lists_peers_with_roles_then_forgets_killed_and_stopped_ones(proc
     # torch's shared-memory manager exits by itself about 2 s after its last client
     wait_until(lambda: not alive(), 15, what=f"children to exit: {alive()}")
     assert "left the run" in read_log(inf2)
-    wait_until(lambda: stopped_id not in roles_seen(maddr, "run-a"), 30, what="stopped peer to vanish")
-    assert set(roles_seen(maddr, "run-a")) == {peer_id_from_log(trainer)}
+    wait_until(lambda: stopped_id not in seen_by_reader(), 30, what="stopped peer to vanish")
+    assert set(seen_by_reader()) == {peer_id_from_log(trainer)}
 
 
 def test_bootstrap_restarted_with_same_identity_keeps_its_peer_id(procs, tmp_path):
