@@ -128,6 +128,30 @@ def newest_line(metrics: Path, peer_id: str, key: str, since: float = 0.0) -> di
     return found[-1] if found else None
 
 
+def trainer_steps(metrics_dir: Path) -> list[dict]:
+    """Every training step line of every trainer in ``metrics_dir``, oldest first."""
+    from echo_p2p.metrics import read_metrics
+
+    lines: list[dict] = []
+    for path in metrics_dir.glob("trainer-*.jsonl"):
+        lines += [x for x in read_metrics(str(path)) if "step" in x and "reward_mean" in x]
+    return sorted(lines, key=lambda x: x["time"])
+
+
+def eval_lines(metrics_dir: Path, role: str = "trainer") -> list[dict]:
+    """Every held-out evaluation line of ``role``'s peers in ``metrics_dir``, oldest first."""
+    from echo_p2p.metrics import read_metrics
+
+    lines: list[dict] = []
+    for path in metrics_dir.glob(f"{role}-*.jsonl"):
+        lines += [x for x in read_metrics(str(path)) if x.get("event") == "eval"]
+    return sorted(lines, key=lambda x: x["time"])
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
 def wait_until(predicate, timeout: float, period: float = 0.2, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
