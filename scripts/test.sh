@@ -29,9 +29,11 @@ PYTEST=("$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -q --durations=10
 if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-# the whole suite: the unit tests (CPU-bound, one process each) on both cores at once, then the integration
-# tests one at a time (each runs a swarm of processes that needs the machine to itself)
+# the whole suite: the unit tests (CPU-bound) on both cores at once, then the integration tests two files at a
+# time (--dist loadfile: a file's tests, and the run a module shares, stay on one worker; the files marked slow
+# start first). A swarm test keeps its machine busy ~70% of the time (starting processes, waiting on peers), so
+# two of them share 2 cores with deadlines to spare; the suite was ~15 minutes one file at a time
 status=0
 "${PYTEST[@]}" -n 2 tests/unit || status=$?
-"${PYTEST[@]}" tests/integration || status=$?
+"${PYTEST[@]}" -n 2 --dist loadfile tests/integration || status=$?
 exit "$status"

@@ -19,7 +19,7 @@ import torch
 from echo_p2p import PROTOCOL_VERSION
 from tests.conftest import REPO, Procs, read_log, wait_until
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 SCRIPT = str(REPO / "tests" / "integration" / "collab_trainer.py")
 EPOCHS = 4

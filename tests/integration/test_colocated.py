@@ -12,7 +12,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 STEPS = 150  # lr 1e-3: 0.07-0.09 at step 50, 0.64-0.89 at step 100 (seeds 0-2)
 WINDOW = 20

@@ -14,7 +14,7 @@ import pytest
 from echo_p2p.local_keys import free_port_below_ephemeral
 from tests.conftest import LOOPBACK, read_log, wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def owner_init(tmp_path, *flags: str) -> tuple[str, dict[str, list[str]]]:

@@ -26,7 +26,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ATTACKER = Path(__file__).resolve().parents[2] / "benchmarks" / "attacker.py"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import LOOPBACK, StatusReader, read_log, wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def status_json(maddr: str, run_id: str) -> dict:
