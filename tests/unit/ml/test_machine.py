@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -53,7 +52,6 @@ def test_the_donors_cuda_command_exits_2_with_the_fix_before_joining(tmp_path):
 
     trusted = tmp_path / "trusted.txt"
     trusted.write_text(trainer_key_line(load_or_create_identity(str(tmp_path / "t.id"))) + "\n")
-    t0 = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "echo_p2p.peer", "--role", "inference", "--run-id", "r", "--trusted-trainers",
          str(trusted), "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmRPG82YGjsLjBjksMqHTWDb9EbDwJENauRLg8kZFJmQUi",
@@ -62,4 +60,6 @@ def test_the_donors_cuda_command_exits_2_with_the_fix_before_joining(tmp_path):
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert "error: device cuda:0 asked, but" in done.stderr and "--device cpu" in done.stderr
-    assert time.monotonic() - t0 < 10 and not (tmp_path / "peer.id").exists()  # nothing started
+    # nothing started: no identity made, and exit 2 rather than the unreachable initial peer's exit 1 (a wall-clock
+    # bound here failed on a loaded machine and proved nothing more)
+    assert not (tmp_path / "peer.id").exists()
