@@ -25,6 +25,7 @@ from pydantic import (
 
 from echo_p2p.collab.optimizer import CollabOptimizerConfig
 from echo_p2p.guard.reputation import ReputationConfig
+from echo_p2p.guard.sampling_check import SamplingCheckConfig
 from echo_p2p.ml.engine import SamplingParams
 from echo_p2p.ml.engine_vllm import VllmEngineConfig
 from echo_p2p.ml.models import PRESET_TRAINER_DEFAULTS, ModelSpec
@@ -164,6 +165,11 @@ class TrainerSection(StrictModel):
     reputation: ReputationConfig = Field(
         default_factory=ReputationConfig,
         description="How the trainer checks senders' behaviour log-probs and bans liars (docs/security.md)",
+    )
+    sampling_check: SamplingCheckConfig = Field(
+        default_factory=SamplingCheckConfig,
+        description="How the trainer tests that senders' completions are samples of the policy, leaves the "
+        "unlikely ones out of the loss and strikes their senders (docs/security.md)",
     )
     prompts_per_step: int = Field(default=16, ge=1, le=4096, description="Rollout groups per GRPO step")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO loss and micro-batching")

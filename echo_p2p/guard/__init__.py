@@ -18,9 +18,12 @@ ranges, log-prob bounds, versions, prompt rebuilt from its id,                  
 rewards re-scored by the task's verifier)
 Valid-looking groups with made-up behaviour log-probs           ``reputation``         ``tests/unit/guard/test_reputation.py``,
 (strikes, bans)                                                                        ``tests/integration/test_poisoned_rollouts.py``
+Edited completions with true log-probs: tokens that are not     ``sampling_check``     ``tests/unit/guard/test_sampling_check.py``,
+samples of the policy (randomised PIT and surprisal per token,                         ``benchmarks/sampling_check.py``
+completions left out, a per-sender e-detector strikes)
 Honest samplers banned after a large update (the allowance:     ``drift``              ``tests/unit/guard/test_drift.py``
 how far the trainer's own policy moved since a group's version)
-Feeding the two above after every step; sharing bans among the  ``sender_guard``       ``tests/unit/guard/test_reputation.py``
+Feeding the checks above after every step; sharing bans among   ``sender_guard``       ``tests/unit/guard/test_reputation.py``
 run's trusted trainers only (``BanRecord``)
 ==============================================================  =====================  ==================================================
 

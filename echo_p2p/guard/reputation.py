@@ -82,6 +82,9 @@ class Reputation:
         self.config = config or ReputationConfig()
         self._senders: OrderedDict[str, _Sender] = OrderedDict()
         self._bans: dict[str, tuple[float, str]] = {}  # peer id -> (until, reason)
+        self._other_strikes: dict[
+            str, deque[float]
+        ] = {}  # peer id -> times of ``strike`` calls in the window
         self._lock = threading.Lock()
         self.checked = 0
         self.failed = 0
@@ -117,6 +120,25 @@ class Reputation:
             if sum(stats.recent) < self.config.ban_fraction * len(stats.recent):
                 return False  # the odd outlier among mostly honest groups
             self._bans[sender] = (now + self.config.ban_seconds, "logprob_gap")
+            return True
+
+    def strike(self, sender: str, reason: str, now: float | None = None) -> bool:
+        """A strike against ``sender`` from another check than the log-prob gap (``reason``, e.g. a
+        ``guard.sampling_check`` alarm, which already weighed the sender's recent completions): ``strikes``
+        of them within ``window`` ban it; True when this bans it."""
+        if not sender:
+            return False
+        now = time.time() if now is None else now
+        with self._lock:
+            times = self._other_strikes.setdefault(sender, deque())
+            times.append(now)
+            while times and times[0] < now - self.config.window:
+                times.popleft()
+            while len(self._other_strikes) > self.config.max_tracked:
+                del self._other_strikes[next(iter(self._other_strikes))]
+            if len(times) < self.config.strikes or self._banned_locked(sender, now):
+                return False
+            self._bans[sender] = (now + self.config.ban_seconds, reason[:32])
             return True
 
     def ban(self, sender: str, until: float, reason: str, now: float | None = None) -> bool:

@@ -4,9 +4,10 @@ Owned here: ``SenderGuard``, which the trainer peer feeds after every step with 
 and the learner's per-group log-prob gaps (``Learner.last_group_gaps``; completions above the gap were
 already left out of the loss), each allowed as much more as the trainer's own policy moved since the
 group's version (``guard.drift``: the trainer records every update's measured movement in ``drift``).
-Repeat offenders are banned (``guard.reputation``): the ingest refuses their pushes before reading them and
-their groups leave the buffer. The guard publishes this trainer's bans on
-the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
+It also feeds each completion's sample score (``Learner.last_sample_scores``) to its sender's detector
+(``guard.sampling_check``): an alarm is a strike (``not_sampled``). Repeat offenders are banned
+(``guard.reputation``): the ingest refuses their pushes before reading them and their groups leave the
+buffer. The guard publishes this trainer's bans on the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
 trainers shares none: anyone could ban an honest peer). Every DHT call is bounded by the directory.
 """
 
@@ -18,14 +19,24 @@ from typing import Any
 
 from echo_p2p.guard.drift import PolicyDrift
 from echo_p2p.guard.reputation import Reputation, ReputationConfig
+from echo_p2p.guard.sampling_check import CompletionScore, SampleDetector, SamplingCheckConfig
 from echo_p2p.net.records import Ban, BanRecord
 
 logger = logging.getLogger(__name__)
 
 
 class SenderGuard:
-    def __init__(self, config: ReputationConfig, peer_id: str, buffer=None, trust=None) -> None:
+    def __init__(
+        self,
+        config: ReputationConfig,
+        peer_id: str,
+        buffer=None,
+        trust=None,
+        sampling: SamplingCheckConfig | None = None,
+    ) -> None:
         self.reputation = Reputation(config)
+        #: per-sender tests that its completions are samples (``guard.sampling_check``); None: off
+        self.samples = SampleDetector(sampling) if sampling is not None and sampling.enabled else None
         self.drift = PolicyDrift()  # how far this trainer's policy moved: the trainer records each update
         self.peer_id = peer_id
         self.buffer = buffer
@@ -73,6 +84,31 @@ class SenderGuard:
                 limit,
                 allowance,
             )
+        return banned
+
+    def judge_samples(
+        self, groups, scores: list[list[CompletionScore]], allowances: list[float | None]
+    ) -> list[str]:
+        """Feed each trained group's completion scores (``Learner.last_sample_scores``) to its sender's
+        detector, with the group's allowance (``allowances``: a group whose allowance is unknown is not
+        judged); an alarm is a strike (``not_sampled``); returns the senders banned by it."""
+        if self.samples is None:
+            return []
+        banned = []
+        for scored, group_scores, allowance in zip(groups, scores, allowances, strict=False):
+            sender = scored.group.sampler_peer_id
+            if allowance is None:
+                continue
+            for score in group_scores:
+                if not self.samples.observe(sender, score, allowance):
+                    continue
+                self.counters["not_sampled_strikes"] += 1
+                logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
+                if self.reputation.strike(sender, "not_sampled"):
+                    banned.append(sender)
+                    self._drop(sender, "banned")
+                    logger.warning("banned %s: its completions are not samples of the policy", sender)
+                    break
         return banned
 
     def share(self, directory, ttl: float) -> None:

@@ -124,7 +124,9 @@ class TrainerPeer(BasePeer):
         # the KL penalty's reference: the starting policy, built from the run's model spec before any
         # checkpoint or other trainer's state is loaded (the same on a resumed or late trainer)
         reference = reference_policy(self.model, derived.policy_precision) if grpo.kl_beta > 0 else None
-        self.learner = Learner(self.model, grpo, ref_model=reference, derived=derived)
+        self.learner = Learner(
+            self.model, grpo, ref_model=reference, derived=derived, sampling_check=section.sampling_check
+        )
         self.evaluator = Evaluator(
             section.evaluation,
             self.task,
@@ -214,7 +216,9 @@ class TrainerPeer(BasePeer):
             ingest_config = section.ingest_server.model_copy(
                 update={"max_group_bytes": min(section.ingest_server.max_group_bytes, shape_bound)}
             )
-            self.guard = SenderGuard(section.reputation, self.peer_id, self.buffer, self.trust)
+            self.guard = SenderGuard(
+                section.reputation, self.peer_id, self.buffer, self.trust, section.sampling_check
+            )
             self.intake = AsyncIntake(self.buffer, section, open_journal(section), self.prefix())
             self.intake.recover(self.policy_version or 0)
             from echo_p2p.train.pacing import Pacer
@@ -240,7 +244,9 @@ class TrainerPeer(BasePeer):
             from echo_p2p.transport.rollouts.pull import SampleClient
 
             self.buffer = None
-            self.guard = SenderGuard(section.reputation, self.peer_id, None, self.trust)
+            self.guard = SenderGuard(
+                section.reputation, self.peer_id, None, self.trust, section.sampling_check
+            )
             client = SampleClient(
                 self.loop, self.directory, section.sample_client, namespace, is_banned=self.guard.is_banned
             )
@@ -335,6 +341,7 @@ class TrainerPeer(BasePeer):
             self.guard.drift.record(result.version_before, result.version, drift)
         self.update_seconds += time.monotonic() - t0
         self.guard.judge(batch, self.learner.last_group_gaps, allowances)
+        self.guard.judge_samples(batch, self.learner.last_sample_scores, allowances)
         if result.skipped:
             self.intake.discarded(batch)
             self.skipped_batches += 1
@@ -364,6 +371,7 @@ class TrainerPeer(BasePeer):
             "outside_clip_frac": round(float(stats.get("behaviour_outside_clip_frac", 0.0)), 4),
             "behaviour_weight_mean": round(float(stats.get("behaviour_weight_mean", 1.0)), 4),
             "logprob_gap_max": round(float(stats.get("logprob_gap_max", 0.0)), 4),
+            "excluded_not_sampled": int(stats.get("excluded_not_sampled", 0)),  # guard.sampling_check
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "policy_drift": None if drift is None else round(drift, 4),
             **step_figures(stats, staleness, step_s),

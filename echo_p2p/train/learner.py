@@ -2,8 +2,9 @@
 
 Owned here: ``Learner`` (its settings: ``train.config``'s ``GRPOConfig`` and ``DerivedSettings``), which builds
 the batch, runs forward/backward over micro-batches with gradient accumulation and clips the gradient
-norm. Micro-batches are bounded by rows, by padded tokens and by a memory budget that ``memory`` turns
-into tokens from the model's config; a transformers model computes logits only for the positions that
+norm; with ``sampling_check`` it also scores each completion's tokens as samples of the policy from the
+same logits and leaves the unlikely ones out (``guard.sampling_check``). Micro-batches are bounded by rows,
+by padded tokens and by a memory budget that ``memory`` turns into tokens from the model's config; a transformers model computes logits only for the positions that
 predict completion tokens (``logits_to_keep``), not for the whole prompt. Called by the trainer peer with groups drawn from ``buffer.ReplayBuffer``. Must not import hivemind
 or know about the network: the optimizer (a plain torch optimizer or ``hivemind.Optimizer``) is owned by
 the caller, which either calls ``optimizer.step()`` itself after ``compute_gradients`` or hands it to
@@ -17,12 +18,14 @@ import contextlib
 import functools
 import inspect
 import math
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from echo_p2p.guard.sampling_check import CompletionScore, SamplingCheckConfig, completion_scores, p_values
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
@@ -100,6 +103,7 @@ class Learner:
         config: GRPOConfig,
         ref_model: torch.nn.Module | None = None,
         derived: DerivedSettings | None = None,
+        sampling_check: SamplingCheckConfig | None = None,
     ) -> None:
         if config.kl_beta > 0 and ref_model is None:
             raise ValueError("kl_beta > 0 needs a ref_model")
@@ -116,6 +120,13 @@ class Learner:
         self.last_group_gaps: list[float] = []
         #: a few sequences of the last batch and their log-probs before its update (``measure_drift``)
         self._probe: tuple[Any, ...] | None = None
+        #: whether each completion is a sample of the policy (``guard.sampling_check``); None: not tested
+        self.sampling_check = (
+            sampling_check if sampling_check is not None and sampling_check.enabled else None
+        )
+        self._pit_rng = torch.Generator().manual_seed(secrets.randbits(63))
+        #: per group of the last ``compute_gradients``: its completions' scores (empty when not tested)
+        self.last_sample_scores: list[list[CompletionScore]] = []
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -158,7 +169,9 @@ class Learner:
         (e.g. ``hivemind.Optimizer`` with ``reuse_grad_buffers=True``, which must own the zeroing).
         Returns stats: ``loss``, ``grad_norm`` (before clipping), reward and advantage summaries and the
         token-weighted means of ``grpo_loss``'s stats. A non-finite loss or gradient norm leaves zero gradients
-        (every ``.grad`` zeroed) and ``nonfinite`` = 1: the caller must not step.
+        (every ``.grad`` zeroed) and ``nonfinite`` = 1: the caller must not step. ``excluded_sequences``:
+        completions left out for their log-prob gap; ``excluded_not_sampled``: for not looking sampled
+        (``sampling_check``, with the same allowance; their scores are in ``last_sample_scores``).
 
         ``gap_allowance`` (one per group): how far the policy moved since the group was sampled
         (``guard.drift``), added to ``max_logprob_gap`` for its completions; None for a group: unknown, none
@@ -182,17 +195,25 @@ class Learner:
         excluded = 0  # completions left out of the loss for their log-prob gap
         allowance = _allowance_tensor(gap_allowance, len(groups))
         self._probe = None
+        group_scores: list[list[CompletionScore]] = [[] for _ in groups]
+        not_sampled = 0  # completions left out of the loss as unlikely samples of the policy
         with self.policy_weights():
             for mb in micro:
                 mb = mb.to(device)
                 keep = _positions_to_keep(mb)
                 logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
                 logp = token_logprobs(logits, mb.input_ids, run.temperature, run.top_k, run.top_p)
+                scores = self._score_samples(logits, mb)
                 del logits
                 if self._probe is None:
                     self._probe = self._take_probe(mb, logp, keep)
                 completion_mask = self._check_behaviour(logp, mb, gaps, allowance)
                 excluded += int((mb.completion_mask.sum(1) > completion_mask.sum(1)).sum())
+                if scores is not None:
+                    for index, score in zip(mb.group_index.tolist(), scores, strict=True):
+                        group_scores[index].append(score)
+                    completion_mask, dropped = self._exclude_unsampled(completion_mask, mb, scores, allowance)
+                    not_sampled += dropped
                 proximal = self._proximal(logp, mb, current_version)
                 ref_logp = None
                 if self.ref_model is not None:
@@ -251,12 +272,41 @@ class Learner:
             compute_s=time.perf_counter() - t0,
             nonfinite=float(nonfinite),
             excluded_sequences=float(excluded),
+            excluded_not_sampled=float(not_sampled),
         )
+        self.last_sample_scores = group_scores if self.sampling_check is not None else []
         self.last_group_gaps = [
             g / max(n, 1.0) for g, n in (gaps.get(i, (0.0, 0.0)) for i in range(len(groups)))
         ]
         stats["logprob_gap_max"] = max(self.last_group_gaps, default=0.0)
         return stats
+
+    def _score_samples(self, logits: torch.Tensor, mb: Batch) -> list[CompletionScore] | None:
+        """Each row's completion tokens against the sampling distribution (``guard.sampling_check``), from the
+        logits of the loss; None when the check is off."""
+        if self.sampling_check is None:
+            return None
+        return completion_scores(
+            logits, mb.input_ids, mb.completion_mask, self.derived.temperature, self._pit_rng
+        )
+
+    def _exclude_unsampled(
+        self, mask: torch.Tensor, mb: Batch, scores: list[CompletionScore], allowance: torch.Tensor | None
+    ) -> tuple[torch.Tensor, int]:
+        """``mask`` with the rows whose score's p-value, forgiven ``drift_allowance`` times their group's
+        ``allowance`` (the policy's drift since its version) per token, is below ``exclude_p_value`` zeroed,
+        and how many (a group whose allowance is unknown keeps all)."""
+        assert self.sampling_check is not None
+        rows = mb.group_index.cpu()
+        factor = self.sampling_check.drift_allowance
+        given = [0.0] * len(scores) if allowance is None else (allowance[rows] * factor).tolist()
+        known = [math.isfinite(a) for a in given]
+        floor = self.sampling_check.exclude_p_value
+        pvals = p_values(scores, [a if ok else 0.0 for a, ok in zip(given, known, strict=True)])
+        keep = [not ok or p >= floor for p, ok in zip(pvals, known, strict=True)]
+        if all(keep):
+            return mask, 0
+        return mask * torch.tensor(keep, dtype=mask.dtype, device=mask.device).unsqueeze(1), keep.count(False)
 
     def _proximal(self, logp: torch.Tensor, mb: Batch, current_version: int | None) -> torch.Tensor | None:
         """The proximal log-probs of ``proximal="previous_version"``: for a row sampled ``k >= 1`` versions

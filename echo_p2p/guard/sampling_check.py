@@ -1,0 +1,237 @@
+"""Is this completion a sample? A statistical test that a sender's tokens were drawn from the policy.
+
+The log-prob checks (``reputation``) ask whether the log-probs a sender reports are true. A sender can
+*edit* a completion (append a marker, swap a few tokens) and report the edited tokens' true log-probs:
+every value is then true, yet the completion was not sampled. What gives it away is *where* its tokens
+fall in the distribution they claim to be drawn from. For each completion token ``t`` the trainer has
+the policy's distribution ``p`` at the run's temperature (its own logits), so it takes the randomised
+probability integral transform with the vocabulary ordered from the most to the least likely token::
+
+    u_t = P(X more likely than t) + V * p(t),   V ~ U(0, 1)       (ties broken by token id)
+    x_t = -log(1 - u_t)                                           (how far into the tail t lies)
+
+For tokens drawn from ``p`` one after the other the ``u_t`` are independent and uniform, so the
+``x_t`` are independent Exp(1): a completion of ``n`` tokens has a tail score ``sum x_t`` distributed
+Gamma(n, 1) exactly, whatever the policy (with top-k or top-p the sampler drew from the head of ``p``
+only: the scores are then stochastically smaller, and every bound below still holds). A token the policy finds unlikely (an edit) lands in the tail:
+``x_t`` is about ``-log p(t)`` (9 for p = 1e-4). The surprisal of the completion against the distribution's
+entropy (``sum -log p(t) - H_t``, mean 0 for a sample, variance ``sum Var_t`` computed per token) is kept
+as a second, reported figure (``CompletionScore.z``).
+
+Two decisions use the tail score:
+
+- **per completion**: its Gamma(n, 1) upper tail p-value below ``exclude_p_value`` leaves it out of the
+  loss (an honest completion is left out with that probability);
+- **per sender**: a CUSUM e-detector over its completions, in the order trained. Each completion's
+  ``e = (1 - tilt)^n * exp(tilt * sum x_t)`` has expectation 1 for a sample (``E[exp(tilt x)] = 1 / (1 -
+  tilt)`` for Exp(1)), so ``log M <- max(0, log M + log e)`` is an e-detector: ``M`` is the largest of the
+  products of e-values since any start, each a test martingale, so by Ville's inequality and a union bound
+  an honest sender's detector reaches ``log(1 / false_alarm_rate)`` within its first ``N`` completions
+  with probability at most ``N * false_alarm_rate`` (1e-9: one in a million senders after 1,000 of its
+  completions), and on average no sooner than after ``1 / false_alarm_rate`` completions (Lorden). Each alarm is a strike
+  (``Reputation.strike``, reason ``not_sampled``) and resets the detector; ``strikes`` alarms within the
+  window ban the sender through the usual path.
+
+What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks
+like a sample; so does a completion the sender chose among honest samples (issue 32 item 2). The bounds
+hold for a sampler whose distribution is the trainer's; bf16 samplers, stale versions and the nucleus edge
+move it a little, which ``benchmarks/sampling_check.py`` measures (docs/security.md).
+
+Owned here: ``SamplingCheckConfig``, ``CompletionScore``, ``completion_scores`` (torch, from the logits
+the learner already holds: no second forward pass) and ``SampleDetector`` (per-sender detectors: pure
+Python, thread-safe, bounded).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class SamplingCheckConfig(BaseModel):
+    """Whether and how a trainer tests that its senders' completions are samples of the policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        default=True,
+        description="Score every trained completion's tokens against the sampling distribution (from the "
+        "logits the learner already computed); False: no scores, no exclusions, no strikes",
+    )
+    exclude_p_value: float = Field(
+        default=1e-6,
+        gt=0,
+        lt=1,
+        description="A completion whose tail score has a Gamma(n, 1) upper-tail p-value below this is left out "
+        "of the loss: an honest completion is, with this probability",
+    )
+    false_alarm_rate: float = Field(
+        default=1e-9,
+        gt=0,
+        lt=1,
+        description="Per sender, the detector's threshold is log(1 / false_alarm_rate): on honest samples it "
+        "alarms (a strike) within its first N completions with probability at most N * false_alarm_rate",
+    )
+    tilt: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="The detector's e-value exp(tilt * x) (1 - tilt) per token: larger reacts faster to far-tail "
+        "tokens and is more sensitive to a sampler whose distribution differs slightly from the trainer's",
+    )
+    drift_allowance: float = Field(
+        default=2.0,
+        ge=0,
+        description="Nats per token forgiven per nat the trainer's policy moved since a group's version "
+        "(``guard.drift``, the log-prob checks' allowance): a stale honest sampler's tokens sit further in the "
+        "tail of the newer policy (benchmarks/sampling_check.py: 1 was too little at 4 versions, T 0.7)",
+    )
+    max_tracked: int = Field(
+        default=4096, ge=1, description="Senders whose detector is kept (least recent go)"
+    )
+
+
+@dataclass(frozen=True)
+class CompletionScore:
+    """One completion's tokens against the distribution they claim to be sampled from."""
+
+    tokens: int
+    tail: float  # sum over its tokens of -log(1 - u): Gamma(tokens, 1) for a sample
+    surprisal: float  # sum of -log p(t) - H_t: mean 0 for a sample
+    variance: float  # sum of Var_t(-log p): the surprisal's variance for a sample
+
+    @property
+    def z(self) -> float:
+        """The standardised surprisal (about N(0, 1) for a long sample)."""
+        return self.surprisal / math.sqrt(self.variance) if self.variance > 0 else 0.0
+
+    def p_value(self, allowance: float = 0.0) -> float:
+        """``P(Gamma(tokens, 1) >= tail - tokens * allowance)``: how unlikely a sample scores this far into
+        the tail, with ``allowance`` nats per token forgiven (how far the policy moved since the sample)."""
+        return gamma_upper_tail(self.tokens, self.tail - self.tokens * allowance)
+
+    def log_e(self, tilt: float, allowance: float = 0.0) -> float:
+        """Log of the completion's e-value ``(1 - tilt)^n exp(tilt * (tail - n * allowance))``."""
+        return self.tokens * math.log1p(-tilt) + tilt * (self.tail - self.tokens * allowance)
+
+
+def gamma_upper_tail(n: int, x: float) -> float:
+    """``P(Gamma(n, 1) >= x)`` for a whole ``n >= 1``: ``exp(-x) sum_{k<n} x^k / k!`` (in log space)."""
+    if n <= 0 or x <= 0:
+        return 1.0
+    log_x = math.log(x)
+    terms = [k * log_x - math.lgamma(k + 1) for k in range(n)]
+    top = max(terms)
+    return min(1.0, math.exp(top - x + math.log(math.fsum(math.exp(t - top) for t in terms))))
+
+
+#: Rows of logits scored at once: bounds the float32 temporaries to a few times 16 MiB.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def p_values(scores: list[CompletionScore], allowances: list[float]) -> list[float]:
+    """``CompletionScore.p_value`` of each score with its allowance, at once (torch's regularised upper
+    incomplete gamma: the learner calls this on every completion it trains on); 1 for an empty completion."""
+    import torch
+
+    if not scores:
+        return []
+    n = torch.tensor([float(s.tokens) for s in scores], dtype=torch.float64)
+    x = torch.tensor([s.tail for s in scores], dtype=torch.float64) - n * torch.tensor(allowances).double()
+    p = torch.special.gammaincc(n.clamp_min(1.0), x.clamp_min(0.0))
+    return torch.where((n > 0) & (x > 0), p, torch.ones_like(p)).tolist()
+
+
+def completion_scores(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> list[CompletionScore]:
+    """One ``CompletionScore`` per row of ``input_ids`` [B, L] over its completion tokens (``completion_mask``),
+    from ``logits`` [B, K, V] of its last K positions, with ``train.grpo.token_logprobs``' conventions (the
+    logits the learner computed for the loss), against ``softmax(logits / temperature)``.
+
+    Top-k and top-p are not applied (no sort): a token sampled from the filtered distribution ``q = p / Z``
+    on the head of the order has ``u_p = Z u_q <= u_q``, so its ``x`` is stochastically smaller than Exp(1)
+    and the p-values and e-values stay valid (conservative); an edit outside the kept set is in ``p``'s tail
+    all the same. Tokens as likely as the target count as less likely (conservative too). ``generator``
+    draws the PIT's V (on the CPU)."""
+    import torch
+
+    batch, length = input_ids.shape
+    kept, vocab = logits.shape[1], logits.shape[-1]
+    with torch.no_grad():
+        mask = completion_mask.bool().clone()
+        mask[:, : length - kept + 1] = False  # positions no given logit predicts (never completion tokens)
+        rows_b, rows_t = mask.nonzero(as_tuple=True)
+        tail = torch.zeros(batch, dtype=torch.float64)
+        surprisal = torch.zeros(batch, dtype=torch.float64)
+        variance = torch.zeros(batch, dtype=torch.float64)
+        step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+        for start in range(0, len(rows_b), step):
+            b, t = rows_b[start : start + step], rows_t[start : start + step]
+            targets = input_ids[b, t].unsqueeze(1)
+            scaled = logits[b, t - 1 - (length - kept)].float()
+            if temperature != 1.0:
+                scaled = scaled / temperature
+            logp = torch.log_softmax(scaled, dim=-1)
+            p = logp.exp()
+            logp_t = logp.gather(1, targets).squeeze(1)
+            p_t = logp_t.exp()
+            below = ((p * (p <= p_t.unsqueeze(1))).sum(1) - p_t).clamp_min(0.0)
+            v = torch.rand(len(b), generator=generator).to(p.device)
+            x = -torch.log((below + (1.0 - v) * p_t).clamp_min(1e-30))
+            plogp = p * logp
+            entropy = -plogp.sum(1)
+            second = (plogp * logp).sum(1)
+            b_cpu = b.cpu()
+            tail.index_add_(0, b_cpu, x.double().cpu())
+            surprisal.index_add_(0, b_cpu, (-logp_t - entropy).double().cpu())
+            variance.index_add_(0, b_cpu, (second - entropy * entropy).clamp_min(0).double().cpu())
+        counts = mask.sum(1).cpu().tolist()
+    return [
+        CompletionScore(int(n), float(a), float(s), float(w))
+        for n, a, s, w in zip(counts, tail.tolist(), surprisal.tolist(), variance.tolist(), strict=True)
+    ]
+
+
+class SampleDetector:
+    """Per-sender CUSUM e-detectors over completion scores (see the module doc)."""
+
+    def __init__(self, config: SamplingCheckConfig | None = None) -> None:
+        self.config = config or SamplingCheckConfig()
+        self.threshold = math.log(1.0 / self.config.false_alarm_rate)
+        self._level: OrderedDict[str, float] = OrderedDict()  # sender -> log M
+        self._lock = threading.Lock()
+        self.alarms = 0
+
+    def observe(self, sender: str, score: CompletionScore, drift: float = 0.0) -> bool:
+        """Add one of ``sender``'s completions, sampled ``drift`` nats per token of policy movement ago
+        (``guard.drift``: ``drift_allowance`` times it is forgiven); True when its detector crosses the
+        threshold (then reset)."""
+        if score.tokens <= 0:
+            return False
+        log_e = score.log_e(self.config.tilt, self.config.drift_allowance * drift)
+        with self._lock:
+            level = max(0.0, self._level.pop(sender, 0.0) + log_e)
+            alarm = level >= self.threshold
+            self._level[sender] = 0.0 if alarm else level
+            while len(self._level) > self.config.max_tracked:
+                self._level.popitem(last=False)
+            self.alarms += alarm
+            return alarm
+
+    def level(self, sender: str) -> float:
+        """``sender``'s detector: log M (0 when it has no evidence against it)."""
+        with self._lock:
+            return self._level.get(sender, 0.0)

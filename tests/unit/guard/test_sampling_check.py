@@ -1,0 +1,227 @@
+"""Is this completion a sample? Honest samples pass, edited ones fail, the detector's false alarms stay
+within their bound, and the learner and the sender guard act on it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from echo_p2p.guard.reputation import Reputation, ReputationConfig
+from echo_p2p.guard.sampling_check import (
+    CompletionScore,
+    SampleDetector,
+    SamplingCheckConfig,
+    completion_scores,
+    gamma_upper_tail,
+    p_values,
+)
+from echo_p2p.guard.sender_guard import SenderGuard
+from echo_p2p.ml.engine import SamplingParams, process_logits
+from echo_p2p.rollout import Completion, RolloutGroup
+from echo_p2p.train.buffer import ReplayBuffer
+from echo_p2p.train.config import DerivedSettings, GRPOConfig
+from echo_p2p.train.learner import Learner
+from echo_p2p.train.scored import ScoredGroup
+
+VOCAB = 24
+PROMPT = 3
+
+
+class Bigram(torch.nn.Module):
+    """A policy whose next-token logits depend on the last token only: ``table[token]``. Peaked (each token
+    mostly followed by the next id), like a policy that has learned its task."""
+
+    def __init__(self, seed: int, sharpness: float = 4.0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        table = torch.randn(VOCAB, VOCAB, generator=gen)
+        table[torch.arange(VOCAB), (torch.arange(VOCAB) + 1) % VOCAB] += sharpness
+        self.table = torch.nn.Parameter(table)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.table[input_ids]
+
+
+def sample(
+    model: Bigram, rows: int, length: int, params: SamplingParams, seed: int, one_prompt: bool = False
+) -> torch.Tensor:
+    """``rows`` sequences: a prompt of PROMPT tokens (``one_prompt``: the same for all), then ``length``
+    tokens sampled as the engines do."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, PROMPT + length), generator=gen)
+    if one_prompt:
+        ids[:, :PROMPT] = ids[0, :PROMPT]
+    with torch.no_grad():
+        for t in range(PROMPT, PROMPT + length):
+            probs = process_logits(model(ids[:, t - 1 : t])[:, 0], params).exp()
+            ids[:, t] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+    return ids
+
+
+def scores_of(
+    model: Bigram, ids: torch.Tensor, params: SamplingParams, seed: int = 0
+) -> list[CompletionScore]:
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    mask[:, PROMPT:] = 1
+    with torch.no_grad():
+        logits = model(ids)
+    gen = torch.Generator().manual_seed(seed)
+    return completion_scores(logits, ids, mask, params.temperature, gen)
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=8),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}")
+def test_honest_samples_pass_over_many_seeds(params):
+    check = SamplingCheckConfig()
+    unfiltered = params.top_p == 1.0 and params.top_k == 0
+    for seed in range(12):
+        model = Bigram(seed)
+        scores = scores_of(model, sample(model, 64, 10, params, seed), params, seed)
+        pvals = [s.p_value() for s in scores]
+        assert min(pvals) >= check.exclude_p_value  # nothing honest is left out of the loss
+        tokens = sum(s.tokens for s in scores)
+        # the tail scores are Exp(1) per token (smaller when top-k / top-p kept only the head): their mean
+        # over 640 tokens is within 5 sd of 1, or below
+        mean = sum(s.tail for s in scores) / tokens
+        assert mean - 1.0 < 5 / math.sqrt(tokens)
+        if unfiltered:
+            assert abs(mean - 1.0) < 5 / math.sqrt(tokens)
+        detector = SampleDetector(check)
+        assert not any(detector.observe("honest", s) for s in scores)
+    # the p-values of samples are uniform (about 5% below 0.05), or larger after top-k / top-p
+    model = Bigram(99)
+    pvals = [s.p_value() for s in scores_of(model, sample(model, 2000, 10, params, 99), params)]
+    share = sum(p < 0.05 for p in pvals) / len(pvals)
+    assert share < 0.07 and (share > 0.03 or not unfiltered)
+
+
+def test_edited_completions_fail_and_their_sender_is_struck():
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    model = Bigram(1, sharpness=8.0)
+    ids = sample(model, 32, 10, params, 1)
+    edited = ids.clone()
+    # a two-token marker the policy finds unlikely: the least likely token, twice
+    for t in (PROMPT + 8, PROMPT + 9):
+        edited[:, t] = model.table[edited[:, t - 1]].argmin(-1)
+    honest, bad = scores_of(model, ids, params), scores_of(model, edited, params)
+    assert sum(s.p_value() < 1e-6 for s in bad) > 0.75 * len(bad)
+    assert all(s.p_value() >= 1e-6 for s in honest)
+    assert sum(s.z for s in bad) / len(bad) > 5  # the surprisal tells the same story
+    detector = SampleDetector(SamplingCheckConfig())
+    alarms = [detector.observe("editor", s) for s in bad]
+    assert alarms.index(True) < 4 and detector.level("editor") < detector.threshold
+
+
+def test_the_detectors_false_alarms_stay_within_their_bound():
+    """On exact samples (tail scores Gamma(n, 1)), P(an alarm within N completions) <= N * false_alarm_rate."""
+    rate, completions, senders = 1e-3, 40, 600
+    detector = SampleDetector(SamplingCheckConfig(false_alarm_rate=rate))
+    rng = random.Random(0)
+    alarmed = 0
+    for sender in range(senders):
+        for _ in range(completions):
+            n = rng.randint(1, 12)
+            if detector.observe(str(sender), CompletionScore(n, rng.gammavariate(n, 1.0), 0.0, 1.0)):
+                alarmed += 1
+                break
+    bound = completions * rate  # 0.04
+    assert alarmed / senders <= bound + 3 * math.sqrt(bound / senders)
+
+
+def test_p_values_and_allowances():
+    scores = [
+        CompletionScore(n, x, 0.0, 1.0) for n, x in [(1, 3.0), (10, 26.0), (5, 0.5), (0, 0.0), (12, 40.0)]
+    ]
+    expected = [gamma_upper_tail(s.tokens, s.tail) for s in scores]
+    assert p_values(scores, [0.0] * 5) == pytest.approx(expected, rel=1e-6)
+    assert expected[0] == pytest.approx(math.exp(-3.0)) and expected[3] == 1.0
+    # an allowance of a nats per token forgives n * a of the tail
+    assert scores[1].p_value(0.5) == pytest.approx(gamma_upper_tail(10, 21.0))
+    assert p_values(scores[1:2], [0.5]) == pytest.approx([scores[1].p_value(0.5)])
+    assert scores[1].log_e(0.5, 0.5) == pytest.approx(10 * math.log(0.5) + 0.5 * 21.0)
+    detector = SampleDetector(SamplingCheckConfig(drift_allowance=2.0))
+    detector.observe("stale", scores[4], drift=0.25)  # 2 * 0.25 per token forgiven
+    assert detector.level("stale") == pytest.approx(12 * math.log(0.5) + 0.5 * (40.0 - 6.0))
+
+
+def groups_of(ids: torch.Tensor, sender: str, group_size: int = 8) -> list[ScoredGroup]:
+    out = []
+    for start in range(0, ids.shape[0], group_size):
+        rows = ids[start : start + group_size]
+        completions = [
+            Completion(
+                token_ids=row[PROMPT:].tolist(), logprobs=[-1.0] * (row.shape[0] - PROMPT), claimed_reward=r
+            )
+            for r, row in enumerate(rows)
+        ]
+        group = RolloutGroup(
+            task="t",
+            prompt_id=start,
+            prompt_token_ids=rows[0, :PROMPT].tolist(),
+            completions=completions,
+            policy_version=0,
+            sampler_peer_id=sender,
+        )
+        out.append(ScoredGroup(group, [float(r % 2) for r in range(len(rows))]))
+    return out
+
+
+def test_the_learner_leaves_edited_completions_out_and_the_guard_strikes_and_bans_their_sender():
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    model = Bigram(2, sharpness=8.0)
+    ids = sample(model, 32, 10, params, 2, one_prompt=True)  # the groups share their prompt
+    honest = groups_of(ids, "honest")
+    edited_ids = ids.clone()
+    with torch.no_grad():
+        for t in (-2, -1):
+            edited_ids[:, t] = model.table[edited_ids[:, t - 1]].argmin(-1)
+    bad = groups_of(edited_ids, "editor")
+    grpo = GRPOConfig(max_grad_norm=None)
+    derived = DerivedSettings(temperature=0.7, top_p=0.9)
+
+    learner = Learner(model, grpo, derived=derived, sampling_check=SamplingCheckConfig())
+    stats = learner.compute_gradients(honest + bad)
+    assert stats["excluded_not_sampled"] > 0.9 * 32
+    assert all(s.p_value() >= 1e-6 for group in learner.last_sample_scores[:4] for s in group)
+    assert [len(g) for g in learner.last_sample_scores] == [8] * 8
+    # an unknown allowance (the policy's movement since the version is not known) leaves all in
+    stats = learner.compute_gradients(honest + bad, gap_allowance=[None] * 8)
+    assert stats["excluded_not_sampled"] == 0
+
+    buffer = ReplayBuffer(16, 4)
+    for group in groups_of(edited_ids[:8], "editor") + honest[:1]:
+        buffer.add(group)
+    guard = SenderGuard(ReputationConfig(strikes=2), "me", buffer, sampling=SamplingCheckConfig())
+    learner.compute_gradients(honest + bad)
+    banned = guard.judge_samples(honest + bad, learner.last_sample_scores, [0.0] * 8)
+    assert banned == ["editor"] and guard.is_banned("editor") and not guard.is_banned("honest")
+    assert buffer.held_by("editor") == 0 and buffer.held_by("honest") == 1
+    assert guard.stats()["not_sampled_strikes"] >= 2
+    assert guard.reputation.bans()["editor"][1] == "not_sampled"
+    # a group whose allowance is unknown is not judged
+    quiet = SenderGuard(ReputationConfig(strikes=1), "me", None, sampling=SamplingCheckConfig())
+    assert quiet.judge_samples(bad, learner.last_sample_scores[4:], [None] * 4) == []
+
+    off = Learner(model, grpo, derived=derived, sampling_check=SamplingCheckConfig(enabled=False))
+    stats = off.compute_gradients(honest + bad)
+    assert stats["excluded_not_sampled"] == 0 and off.last_sample_scores == []
+    assert SenderGuard(ReputationConfig(), "me", sampling=SamplingCheckConfig(enabled=False)).samples is None
+
+
+def test_strikes_from_other_checks_ban_within_the_window():
+    rep = Reputation(ReputationConfig(strikes=3, window=100, ban_seconds=50))
+    assert not rep.strike("editor", "not_sampled", now=0) and not rep.strike("editor", "not_sampled", now=1)
+    assert rep.strike("editor", "not_sampled", now=2)
+    assert rep.bans(now=3)["editor"] == (52, "not_sampled")
+    for t in (0, 200, 400):  # strikes further apart than the window never add up
+        assert not rep.strike("slow", "not_sampled", now=t)
