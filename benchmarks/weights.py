@@ -193,8 +193,8 @@ def _peer_loop(dht, identity, keys, args) -> None:
     from hivemind.p2p import PeerID
 
     from echo_p2p.guard.trust import TrustedTrainers
-    from echo_p2p.transport.weights.config import FetcherConfig
-    from echo_p2p.transport.weights.fetcher import WeightFetcher
+    from echo_p2p.transport.weights.fetch.config import FetcherConfig
+    from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
 
     _warm_up_decoder()
     _reply(dict(ready=True, peer_id=identity.peer_id))

@@ -47,8 +47,8 @@ def fetch_newest(target: Any, live: LiveExportConfig) -> FetchedPolicy:
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.node import NodeStartError, start_dht, stop_dht
-    from echo_p2p.transport.weights.config import FetcherConfig
-    from echo_p2p.transport.weights.fetcher import WeightFetcher
+    from echo_p2p.transport.weights.fetch.config import FetcherConfig
+    from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
 
     trust = target.trust
     if not trust.configured:

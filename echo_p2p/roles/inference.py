@@ -65,8 +65,8 @@ class InferencePeer(BasePeer):
         from echo_p2p.tasks.registry import build_task
         from echo_p2p.transport.p2p_loop import P2PLoop
         from echo_p2p.transport.rollouts.config import rollout_namespace
-        from echo_p2p.transport.weights.config import FetcherConfig
-        from echo_p2p.transport.weights.fetcher import WeightFetcher
+        from echo_p2p.transport.weights.fetch.config import FetcherConfig
+        from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
 
         run, section = self.config.run, self.section
         if self.config.threads:

@@ -21,8 +21,8 @@ from echo_p2p.net.identity import load_or_create_identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.network_config import NetworkConfig
 from echo_p2p.net.node import start_dht, stop_dht, visible_maddrs
-from echo_p2p.transport.weights.config import FetcherConfig
-from echo_p2p.transport.weights.fetcher import WeightFetcher
+from echo_p2p.transport.weights.fetch.config import FetcherConfig
+from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
 from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 from echo_p2p.weights.config import EncodingConfig
 from tests.conftest import read_log, wait_until

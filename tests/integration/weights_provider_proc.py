@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from echo_p2p.net.keys import SwarmKeys
     from echo_p2p.net.network_config import NetworkConfig
     from echo_p2p.net.node import start_dht, stop_dht
-    from echo_p2p.transport.weights.config import FetcherConfig
-    from echo_p2p.transport.weights.fetcher import WeightFetcher
+    from echo_p2p.transport.weights.fetch.config import FetcherConfig
+    from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
     from echo_p2p.transport.weights.service import ServiceLimits
 
     keys = SwarmKeys(args.run_id)

@@ -17,12 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "echo_p2p"
 MAX_LINES = 600
 #: Cycles being taken apart elsewhere, tolerated until then (each with why). Any other cycle fails the test.
-KNOWN_CYCLES: dict[tuple[str, ...], str] = {
-    (
-        "echo_p2p.transport.weights.fetcher",
-        "echo_p2p.transport.weights.session",
-    ): "issue 27 item 4: the fetch session types its fetcher (TYPE_CHECKING); the fetch package split removes it",
-}
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def _modules() -> dict[str, Path]:

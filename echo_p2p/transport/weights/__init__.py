@@ -1,9 +1,8 @@
 """The weights transport: policy versions from trainers to inference peers, peer-assisted and verified.
 
 - ``publisher``: the trainer side (encode, sign, serve, announce each version).
-- ``fetcher``: the receiver side (find trusted records, fetch, verify, apply atomically, serve what it holds);
-  ``chain`` plans which manifests to fetch, ``session`` runs one transfer from several providers,
-  ``providers`` keeps what is known of each provider, ``config`` the fetcher's settings and counters.
+- ``fetch``: the receiver side (find trusted records, fetch, verify, apply atomically, serve what it holds),
+  a package: ``fetch.fetcher.WeightFetcher`` is its API; its docstring maps the modules.
 - ``service``: what a process serves (``WeightLibrary``, ``WeightsServicer``) and its P2P endpoint;
   ``stream`` reads one chunk stream on the client side.
 

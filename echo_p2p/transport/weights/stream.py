@@ -1,16 +1,14 @@
 """Client side of one chunk stream: hivemind's framing read frame by frame, bounded before each body.
 
 Owned here: ``ChunkStream`` (reads ``ChunkPart`` frames of an ``rpc_get_chunks`` stream; a frame longer than
-the limit is refused before its body is read), what a stream can end with (``StreamViolation``: the
-provider broke the stream protocol, a ban; ``RemoteError``: it sent an error frame; ``StreamBroken``: it
-ended early, a retry) and ``StreamState`` (the receiver's bookkeeping of one stream). Callers:
-``service.WeightsEndpoint`` opens the stream, ``session`` reads it. Must not know about chunk stores.
+the limit is refused before its body is read) and what its frames can raise (``StreamViolation``: the
+provider broke the stream protocol, a ban; ``RemoteError``: it sent an error frame). Callers:
+``service.WeightsEndpoint`` opens the stream, ``fetch.reader`` reads it. Must not know about chunk stores.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P
 
@@ -81,25 +79,3 @@ class ChunkStream:
             self.writer.close()
         except Exception:  # already closed by the peer
             pass
-
-
-@dataclass
-class StreamState:
-    """Bookkeeping of one chunk stream."""
-
-    expected: set[int]  # indices asked for (candidates, in pick mode)
-    mine: set[int]  # indices this stream marked in flight
-    pick: int  # 0: the provider sends every index asked; k: at most k of its choice
-    picks_left: int  # pick mode: chunks the provider may still start
-    done: set[int] = field(default_factory=set)  # indices fully received (or reported missing)
-    missing: set[int] = field(default_factory=set)  # indices the provider answered "missing" for
-    broken: int = 0  # of those, chunks it had advertised (a broken promise)
-    verifying: list[asyncio.Future] = field(default_factory=list)
-
-
-class StreamBroken(Exception):
-    """A stream that ended early (the provider died or cut it): counted, retried elsewhere, not banned."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason

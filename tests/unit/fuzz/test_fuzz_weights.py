@@ -17,8 +17,8 @@ from echo_p2p.guard.trust import TrustedTrainers
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PolicyRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
-from echo_p2p.transport.weights.fetcher import WeightFetcher
+from echo_p2p.transport.weights.fetch.config import FetcherConfig, FetchStats
+from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
 from echo_p2p.transport.weights.stream import ChunkStream, RemoteError, StreamViolation
 from echo_p2p.weights.codec import WeightEncoder

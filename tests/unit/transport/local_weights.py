@@ -1,5 +1,5 @@
 """In-process weights transport for session tests (not a pytest module): real ``WeightsServicer``s answer a
-real ``_FetchSession`` through ``LocalEndpoint``, without p2pd. Every wait has a deadline."""
+real ``FetchSession`` through ``LocalEndpoint``, without p2pd. Every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hivemind.p2p import P2PContext, PeerID
 
 from echo_p2p.net.records import PolicyRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights.config import FetcherConfig, FetchStats
-from echo_p2p.transport.weights.providers import ProviderBook
+from echo_p2p.transport.weights.fetch.config import FetcherConfig, FetchStats
+from echo_p2p.transport.weights.fetch.providers import ProviderBook
+from echo_p2p.transport.weights.fetch.session import FetchSession
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
-from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights.codec import WeightEncoder
 from echo_p2p.weights.config import EncodingConfig
 from echo_p2p.weights.manifest import ChunkStore
@@ -81,33 +81,35 @@ def servicer_of(*entries: ServedVersion) -> WeightsServicer:
     return WeightsServicer(library)
 
 
-def fake_fetcher(config: FetcherConfig, peers: dict[str, WeightsServicer], verifier) -> SimpleNamespace:
-    """What ``_FetchSession`` uses of a ``WeightFetcher``: config, endpoint, directory, book, stats."""
+def session_for(
+    served: ServedVersion,
+    peers: dict[str, WeightsServicer],
+    verifier,
+    book: ProviderBook | None = None,
+    **config,
+) -> FetchSession:
+    """A session fetching ``served`` (published by ``PUB``) into an empty store; its directory lists no
+    provider until a test says otherwise (``session.directory.providers = ...``). ``book``: the bans of an
+    earlier session (the same fetcher)."""
+    cfg = FetcherConfig(**config)
     stats = FetchStats()
-    book = ProviderBook(config.ban_seconds, config.max_missing_answers, config.missing_window)
+    book = book or ProviderBook(cfg.ban_seconds, cfg.max_missing_answers, cfg.missing_window)
 
     def ban(peer_id: str, reason: str) -> None:
         stats.banned[peer_id] = reason
         book.ban(peer_id)
 
-    return SimpleNamespace(
-        config=config,
+    record = PolicyRecord(peer_id=PUB, stream_id=served.manifest.stream_id, version=0)
+    receiving = ServedVersion.of(served.manifest, ChunkStore(served.manifest), raw=served.raw)
+    return FetchSession(
+        record,
+        [receiving],
+        config=cfg,
         endpoint=LocalEndpoint(peers),
         directory=SimpleNamespace(providers=lambda max_age=0.0: []),
         book=book,
-        _stop=threading.Event(),
-        _verifier=verifier,
-        _ban=ban,
         stats=stats,
-        on_progress=None,
+        ban=ban,
+        verifier=verifier,
+        stop=threading.Event(),
     )
-
-
-def session_for(
-    served: ServedVersion, peers: dict[str, WeightsServicer], verifier, **config
-) -> _FetchSession:
-    """A session fetching ``served`` (published by ``PUB``) into an empty store."""
-    fetcher = fake_fetcher(FetcherConfig(**config), peers, verifier)
-    record = PolicyRecord(peer_id=PUB, stream_id=served.manifest.stream_id, version=0)
-    receiving = ServedVersion.of(served.manifest, ChunkStore(served.manifest), raw=served.raw)
-    return _FetchSession(fetcher, record, [receiving])

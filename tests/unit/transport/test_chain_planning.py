@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from echo_p2p.net.records import ManifestRef, PolicyRecord
-from echo_p2p.transport.weights.chain import PlanError, plan_chain
+from echo_p2p.transport.weights.fetch.chain import PlanError, plan_chain
 
 
 def ref(version: int, base: int | None) -> ManifestRef:

@@ -1,5 +1,5 @@
 """A provider that claims chunks it does not serve is banned like one that serves bad chunks; an honest partial
-provider is not. Real ``_FetchSession`` and ``WeightsServicer``s in-process (``local_weights``)."""
+provider is not. Real ``FetchSession`` and ``WeightsServicer``s in-process (``local_weights``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import time
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import ProviderRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights.providers import MAX_TRACKED_PROVIDERS, ProviderBook, Source
+from echo_p2p.transport.weights.fetch.providers import MAX_TRACKED_PROVIDERS, ProviderBook, Source
+from echo_p2p.transport.weights.fetch.scheduler import ChunkAsk
+from echo_p2p.transport.weights.fetch.session import FetchSession
 from echo_p2p.transport.weights.service import ServedVersion, WeightsServicer, _bitmap
-from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights.manifest import ChunkStore
 from tests.unit.transport.local_weights import PUB, publish, servicer_of, session_for
 
@@ -26,8 +27,8 @@ def empty_copy(served: ServedVersion, held: range = range(0)) -> ServedVersion:
     return ServedVersion.of(served.manifest, store, raw=served.raw)
 
 
-def announce(session: _FetchSession, *records: ProviderRecord) -> None:
-    session.f.directory.providers = lambda max_age=0.0: [
+def announce(session: FetchSession, *records: ProviderRecord) -> None:
+    session.directory.providers = lambda max_age=0.0: [
         Entry(record=r, expires_at=time.time() + 30) for r in records
     ]
 
@@ -61,21 +62,19 @@ async def test_a_provider_listing_a_version_it_answers_missing_for_is_banned_and
     await asyncio.wait_for(session.run(), 20)
 
     assert session.entries[served.digest].store.is_complete()
-    assert session.f.stats.banned == {LIAR: "claimed_missing"}
+    assert session.stats.banned == {LIAR: "claimed_missing"}
     # banned at the max_missing_answers-th answer; streams already open to it may add their few
-    broken = session.f.stats.rejected["claimed_missing"]
+    broken = session.stats.rejected["claimed_missing"]
     in_flight = cfg.max_inflight_per_provider * cfg.chunks_per_request
     assert cfg.max_missing_answers <= broken <= cfg.max_missing_answers + in_flight
     assert liar.stats.streams <= cfg.max_missing_answers + cfg.max_inflight_per_provider
     assert liar.stats.bytes_served == 0
     assert publisher.stats.bytes_served == served.manifest.total_bytes  # each chunk once, from the publisher
 
-    again = session_for(served, {PUB: publisher, LIAR: liar}, verifier)
-    again.f = session.f  # the same fetcher: the ban outlives the fetch
-    again.cfg = session.cfg
+    again = session_for(served, {PUB: publisher, LIAR: liar}, verifier, book=session.book)  # same fetcher
     announce(again, record_of(LIAR, served))
     await asyncio.wait_for(again._refresh_providers(), 5)
-    assert LIAR not in again.sources
+    assert LIAR not in again.sched.sources  # the ban outlives the fetch
 
 
 async def test_an_honest_partial_provider_serves_what_it_holds_and_is_never_banned(verifier):
@@ -87,8 +86,8 @@ async def test_an_honest_partial_provider_serves_what_it_holds_and_is_never_bann
     await asyncio.wait_for(session.run(), 20)
 
     assert session.entries[served.digest].store.is_complete()
-    assert session.f.stats.banned == {}
-    assert session.f.stats.rejected["claimed_missing"] == 0
+    assert session.stats.banned == {}
+    assert session.stats.rejected["claimed_missing"] == 0
     assert partial.stats.bytes_served > 0  # it was used, for what it holds
 
 
@@ -96,19 +95,19 @@ async def test_missing_counts_only_for_chunks_the_provider_advertised(verifier):
     served = publish()
     partial = servicer_of(empty_copy(served, held=range(5)))
     session = session_for(served, {PUB: servicer_of(served), PARTIAL: partial}, verifier)
-    source = session.sources[PARTIAL] = Source(PARTIAL, [])
+    source = session.sched.sources[PARTIAL] = Source(PARTIAL, [])
     source.partial.add(served.digest)
     source.have[served.digest] = set(range(5))
     # chunks 7 and 8 were never in its map: an honest "missing", not counted
     source.inflight += 1
-    await asyncio.wait_for(session._request(source, served.digest, [7, 8], 0, 0.0), 5)
-    assert session.f.stats.rejected["claimed_missing"] == 0 and session.f.book.missing_count(PARTIAL) == 0
+    await asyncio.wait_for(session._request(ChunkAsk(source, served.digest, [7, 8])), 5)
+    assert session.stats.rejected["claimed_missing"] == 0 and session.book.missing_count(PARTIAL) == 0
     assert not source.dropped
 
     source.have[served.digest] = set(range(10))  # now it claims chunk 9 too (it does not hold it)
     source.inflight += 1
-    await asyncio.wait_for(session._request(source, served.digest, [9], 0, 0.0), 5)
-    assert session.f.stats.rejected["claimed_missing"] == 1 and session.f.book.missing_count(PARTIAL) == 1
+    await asyncio.wait_for(session._request(ChunkAsk(source, served.digest, [9])), 5)
+    assert session.stats.rejected["claimed_missing"] == 1 and session.book.missing_count(PARTIAL) == 1
     assert not source.holds(served.digest, 9)  # not asked of it again
     assert source.busy_until > time.monotonic()  # a stream of nothing but "missing": it backs off
 
@@ -120,7 +119,7 @@ async def test_a_partial_provider_whose_chunk_map_lies_is_banned(verifier):
     announce(session, record_of(LIAR, served, partial=True))
     await asyncio.wait_for(session.run(), 20)
     assert session.entries[served.digest].store.is_complete()
-    assert session.f.stats.banned == {LIAR: "claimed_missing"}
+    assert session.stats.banned == {LIAR: "claimed_missing"}
     assert liar.stats.bytes_served == 0
 
 
@@ -172,15 +171,17 @@ def test_a_fetching_claim_older_than_stall_timeout_no_longer_spares_the_publishe
     """A partial provider that says it is fetching every chunk and never holds one would make every
     receiver spare the publisher until the whole fetch stalls, again after each publisher stream."""
     s = session_for(publish(), {}, None)
-    digest, publisher = s.order[0], s.sources[PUB]
-    peer = s.sources[PARTIAL] = Source(PARTIAL, [])
+    digest, publisher = s.sched.order[0], s.sched.sources[PUB]
+    peer = s.sched.sources[PARTIAL] = Source(PARTIAL, [])
     peer.partial.add(digest)
     now = time.monotonic()
     peer.note_fetching(digest, set(range(10)), now)
-    assert s._pick_work(publisher, s._alive(), stalled=False) is None  # fresh claims: the publisher is spared
+    assert (
+        s.sched.pick_work(publisher, s.sched.alive(), stalled=False, now=time.monotonic()) is None
+    )  # fresh claims: the publisher is spared
     peer.note_fetching(digest, set(range(10)), now + 1)  # read again later: each claim keeps its first date
     assert peer.fetching_since[digest][0] == now
     old = now - 2 * s.cfg.stall_timeout
     peer.fetching_since[digest] = {i: old if i < 5 else now for i in range(10)}
-    _, candidates, _, _ = s._pick_work(publisher, s._alive(), stalled=False)
+    candidates = s.sched.pick_work(publisher, s.sched.alive(), stalled=False, now=time.monotonic()).indices
     assert candidates == [0, 1, 2, 3, 4]  # claimed too long ago: the publisher is asked for them

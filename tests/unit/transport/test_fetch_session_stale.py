@@ -1,4 +1,4 @@
-"""A fetch that cannot complete ends fast: a real ``_FetchSession`` against real ``WeightsServicer``s in-process.
+"""A fetch that cannot complete ends fast: a real ``FetchSession`` against real ``WeightsServicer``s in-process.
 
 The endpoint here is the client side of ``WeightsEndpoint`` without p2pd: its calls go straight to the
 servicers' ``rpc_have`` / ``rpc_get_chunks``, so the session, the servicer (``pick``, ``fresh_for``,
@@ -16,14 +16,14 @@ from hivemind.p2p import P2PContext
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import ProviderRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights.config import FetchError
-from echo_p2p.transport.weights.providers import Source
+from echo_p2p.transport.weights.fetch.config import FetchError
+from echo_p2p.transport.weights.fetch.providers import Source
+from echo_p2p.transport.weights.fetch.session import FetchSession
 from echo_p2p.transport.weights.service import ServedVersion, WeightsServicer
-from echo_p2p.transport.weights.session import _FetchSession
 from tests.unit.transport.local_weights import ME, OTHER, PUB, publish, servicer_of, session_for
 
 
-def setup(verifier, **config) -> tuple[_FetchSession, WeightsServicer, ServedVersion]:
+def setup(verifier, **config) -> tuple[FetchSession, WeightsServicer, ServedVersion]:
     served = publish()
     publisher = servicer_of(served)
     return session_for(served, {PUB: publisher}, verifier, **config), publisher, served
@@ -64,46 +64,56 @@ async def test_chunks_handed_to_a_receiver_nobody_can_ask_are_fetched_without_th
     t0 = time.monotonic()
     await asyncio.wait_for(session.run(), 5)
     assert session.entries[served.digest].store.is_complete()
-    assert session.no_window == {served.digest}
+    assert session.sched.no_window == {served.digest}
     assert time.monotonic() - t0 < 3
 
 
 async def test_the_window_stays_while_another_provider_lists_the_version(verifier):
     session, _, served = setup(verifier)
     helper = ProviderRecord(peer_id="QmHelper", stream_id=served.manifest.stream_id, partial=[served.digest])
-    session.f.directory.providers = lambda max_age=0.0: [Entry(record=helper, expires_at=time.time() + 30)]
+    session.directory.providers = lambda max_age=0.0: [Entry(record=helper, expires_at=time.time() + 30)]
     session.empty_picks[served.digest] = time.monotonic()
     await session._refresh_providers()
-    assert served.digest not in session.no_window  # the helper got them: ask it (the publisher is spared)
-    _, _, _, fresh_for = session._pick_work(session.sources[PUB], session._alive(), stalled=False)
+    assert (
+        served.digest not in session.sched.no_window
+    )  # the helper got them: ask it (the publisher is spared)
+    fresh_for = session.sched.pick_work(
+        session.sched.sources[PUB], session.sched.alive(), stalled=False, now=time.monotonic()
+    ).fresh_for
     assert fresh_for == session.cfg.publisher_fresh_window
 
-    session.sources["QmHelper"].forget(served.digest)  # not_held: it moved on, and its record says so
-    session.f.directory.providers = lambda max_age=0.0: []
+    session.sched.sources["QmHelper"].forget(served.digest)  # not_held: it moved on, and its record says so
+    session.directory.providers = lambda max_age=0.0: []
     session.empty_picks[served.digest] = time.monotonic()
     await session._refresh_providers()
-    assert served.digest in session.no_window
-    _, _, _, fresh_for = session._pick_work(session.sources[PUB], session._alive(), stalled=False)
+    assert served.digest in session.sched.no_window
+    fresh_for = session.sched.pick_work(
+        session.sched.sources[PUB], session.sched.alive(), stalled=False, now=time.monotonic()
+    ).fresh_for
     assert fresh_for == 0.0
 
 
 def test_a_provider_that_forgot_a_version_no_longer_spares_the_publisher(verifier):
     session, _, served = setup(verifier)
-    peer = session.sources["QmPeer"] = Source("QmPeer", [])
+    peer = session.sched.sources["QmPeer"] = Source("QmPeer", [])
     peer.partial.add(served.digest)
     peer.have[served.digest] = set(range(5))
     peer.fetching[served.digest] = set(range(5, 10))
-    publisher = session.sources[PUB]
-    assert session._pick_work(publisher, session._alive(), stalled=False) is None  # all of it is coming
+    publisher = session.sched.sources[PUB]
+    assert (
+        session.sched.pick_work(publisher, session.sched.alive(), stalled=False, now=time.monotonic()) is None
+    )  # all of it is coming
     peer.forget(served.digest)  # have: held=False (it skipped the version or moved on)
-    _, candidates, _, _ = session._pick_work(publisher, session._alive(), stalled=False)
+    candidates = session.sched.pick_work(
+        publisher, session.sched.alive(), stalled=False, now=time.monotonic()
+    ).indices
     assert candidates == list(range(10))
-    assert session._orphans() == []  # the publisher still serves it
+    assert session.sched.orphans() == []  # the publisher still serves it
 
 
 async def test_nobody_left_holding_a_manifest_ends_the_fetch_after_no_provider_timeout(verifier):
     session, _, served = setup(verifier, no_provider_timeout=0.5)
-    session.sources[PUB].dropped = True  # e.g. banned meanwhile; no peer lists the version
+    session.sched.sources[PUB].dropped = True  # e.g. banned meanwhile; no peer lists the version
     with pytest.raises(FetchError) as info:
         await asyncio.wait_for(session.run(), 5)
     assert info.value.reason == "no_providers"
@@ -111,8 +121,8 @@ async def test_nobody_left_holding_a_manifest_ends_the_fetch_after_no_provider_t
 
 async def test_a_fetch_ends_promptly_when_the_fetcher_stops(verifier):
     session, _, _ = setup(verifier)
-    session.sources[PUB].busy_until = time.monotonic() + 60  # nothing will arrive for a long while
-    asyncio.get_running_loop().call_later(0.3, session.f._stop.set)
+    session.sched.sources[PUB].busy_until = time.monotonic() + 60  # nothing will arrive for a long while
+    asyncio.get_running_loop().call_later(0.3, session.stop.set)
     t0 = time.monotonic()
     with pytest.raises(FetchError) as info:
         await asyncio.wait_for(session.run(), 5)

@@ -7,8 +7,8 @@ import math
 import threading
 import time
 
-from echo_p2p.transport.weights.config import FetcherConfig
-from echo_p2p.transport.weights.fetcher import NUDGE_GAP, WeightFetcher
+from echo_p2p.transport.weights.fetch.config import FetcherConfig
+from echo_p2p.transport.weights.fetch.fetcher import NUDGE_GAP, WeightFetcher
 
 
 def follower(poll_period: float) -> tuple[WeightFetcher, list[float]]:

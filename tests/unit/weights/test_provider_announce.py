@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from echo_p2p.transport.weights.announce import CoalescedStore
+from echo_p2p.transport.weights.fetch.announce import CoalescedStore
 
 
 def store(gap: float) -> tuple[CoalescedStore, list[tuple[float, int]], list[int], threading.Event]:

@@ -8,10 +8,11 @@ served bad data, and swaps its ``PolicyWeights`` only once every chunk of the ch
 a peer never runs a mixed policy. With ``serve`` on it serves what it holds (chunks of a version being
 fetched included) and announces itself as a provider (peer-assisted distribution); the publisher is spared:
 it is asked only for chunks no other provider holds or is fetching, and hands different chunks to
-different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself (scheduling,
-streams, retries, bans) is ``session``; the settings, counters and reports (``FetcherConfig``,
-``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``; the provider record's coalesced stores
-are ``announce``.
+different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself is a
+``session.FetchSession``, given this fetcher's collaborators (endpoint, directory, provider book, stats,
+verifier thread, stop event) and ``_ban`` as its ban callback; the settings, counters and reports
+(``FetcherConfig``, ``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``; the provider record's
+coalesced stores are ``announce``.
 Callers: the inference peer (``update`` / ``ensure_version`` / ``follow``),
 benchmarks, tests. Bad input from peers is counted by reason in ``stats()``, never raised to the caller.
 """
@@ -34,17 +35,12 @@ from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.reachability import Reachability
 from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights.announce import CoalescedStore
-from echo_p2p.transport.weights.chain import PlanError, plan_chain  # re-exported, part of this API
-from echo_p2p.transport.weights.config import (  # re-exported, part of this API
-    FetcherConfig,
-    FetchError,
-    FetchProgress,
-    FetchStats,
-)
-from echo_p2p.transport.weights.providers import MAX_TRACKED_PROVIDERS, ProviderBook
+from echo_p2p.transport.weights.fetch.announce import CoalescedStore
+from echo_p2p.transport.weights.fetch.chain import PlanError, plan_chain
+from echo_p2p.transport.weights.fetch.config import FetcherConfig, FetchError, FetchProgress, FetchStats
+from echo_p2p.transport.weights.fetch.providers import MAX_TRACKED_PROVIDERS, ProviderBook
+from echo_p2p.transport.weights.fetch.session import FetchSession
 from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint, manifest_digest
-from echo_p2p.transport.weights.session import _FetchSession
 from echo_p2p.weights.codec import VersionAssembler, merge_changes
 from echo_p2p.weights.manifest import Manifest, WeightsError
 from echo_p2p.weights.model_io import PolicyWeights
@@ -107,7 +103,7 @@ class WeightFetcher:
         self._partial: list[str] = []
         self._stream_id: str | None = None
         self.reach = reach  # this node's announced addresses (set in start() when None)
-        self._session: _FetchSession | None = None
+        self._session: FetchSession | None = None
 
     # ---- public API -----------------------------------------------------------------------------------
     def start(self) -> WeightFetcher:
@@ -340,7 +336,19 @@ class WeightFetcher:
             self._stream_id = record.stream_id
             self._announce_soon()
         phases["announce"] = time.monotonic() - t_start - sum(phases.values())
-        session = self._session = _FetchSession(self, record, entries)
+        session = self._session = FetchSession(
+            record,
+            entries,
+            config=self.config,
+            endpoint=self.endpoint,
+            directory=self.directory,
+            book=self.book,
+            stats=self.stats,
+            ban=self._ban,
+            verifier=self._verifier,
+            stop=self._stop,
+            on_progress=self.on_progress,
+        )
         try:
             self.endpoint.run(session.run(), self.config.fetch_timeout + 5)
             phases["discover"] = session.discover_seconds  # the provider list read before the first request

@@ -1,7 +1,7 @@
 """Settings, counters and reports of a weight fetcher: ``FetcherConfig`` (validated with the peer's config,
 before anything starts), ``FetchStats`` (what the metrics line reports), ``FetchProgress`` (passed to the
 progress callback) and ``FetchError`` (a fetch that did not complete). Pure data; the machinery is
-``fetcher`` and ``session``.
+``fetcher``, ``session``, ``scheduler`` and ``reader``.
 """
 
 from __future__ import annotations

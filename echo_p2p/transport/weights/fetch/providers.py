@@ -4,7 +4,7 @@ Owned here: ``Source`` (one provider during one fetch: the manifests it lists co
 chunks it said it holds or is fetching, the chunks it then answered "missing" for, streams in flight to it,
 failures, its back-off and its request budget) and ``ProviderBook`` (kept by the fetcher for its lifetime:
 which providers are banned until when, and the "missing" answers each gave for chunks it had advertised).
-Used by ``session`` and ``fetcher``; must not open streams nor decide trust.
+Used by ``scheduler``, ``session`` and ``fetcher``; must not open streams nor decide trust.
 
 A provider advertises a chunk by listing its manifest as complete in its ``ProviderRecord`` (it then holds
 every chunk) or by setting the chunk's bit in its ``rpc_have`` map (a partial provider is asked only for
@@ -85,6 +85,10 @@ class Source:
         """It answered "missing" for chunk ``index``: do not count on it for that chunk any more."""
         self.denied.setdefault(digest, set()).add(index)
         self.have.get(digest, set()).discard(index)
+
+    def note_rate(self, rate: float) -> None:
+        """A stream of it delivered at ``rate`` bytes/s: smoothed into ``rate``."""
+        self.rate = rate if self.rate is None else 0.5 * self.rate + 0.5 * rate
 
     def back_off(self, now: float) -> None:
         """A stream brought nothing but "missing" answers: wait 0.25 s, doubling in a row, ≤ MAX_BACKOFF."""
