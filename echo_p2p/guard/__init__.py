@@ -38,8 +38,10 @@ Defences that live with what they guard, because they are part of its format or 
   ``duplicate_content``, ``no_signal``, ``not_granted``): ``echo_p2p.transport.rollouts.ingest``
   (``tests/integration/test_rollout_transport.py``, ``tests/unit/transport/test_useless_help.py``);
   grants to strangers: ``echo_p2p.train.pacing`` (``tests/unit/train/test_pacing.py``).
-- Weight chunks checked against the signed manifest, bad providers banned: ``echo_p2p.transport.weights``
-  (``tests/unit/transport/test_fetch_scheduling.py``, ``tests/integration/test_weights_distribution.py``).
+- Weight chunks checked against the signed manifest, bad providers banned, slow providers hedged, dropped
+  and banned when slow again and again: ``echo_p2p.transport.weights.fetch``
+  (``tests/unit/transport/test_fetch_scheduling.py``, ``tests/unit/transport/test_fetch_rate.py``,
+  ``tests/integration/test_weights_distribution.py``).
 - Poison that still reaches the loss (completions far from the policy left out, ratio caps, non-finite
   losses and gradients dropped): ``echo_p2p.train.learner`` and ``echo_p2p.train.grpo``
   (``tests/unit/train/test_learner.py``, ``tests/unit/train/test_grpo_loss.py``).

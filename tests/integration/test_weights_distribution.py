@@ -324,6 +324,40 @@ def test_a_provider_that_claims_chunks_it_does_not_serve_is_banned_and_the_fetch
         assert receiver.stats.rejected["claimed_missing"] == broken
 
 
+@pytest.mark.parametrize("mode", ["never", "drip", "late"])
+def test_a_slow_provider_is_dropped_and_the_fetch_finishes_from_the_trainer_within_a_bound(
+    procs, tmp_path: Path, mode: str
+):
+    """A provider process that lists the version and serves it valid but slowly (never, 64 bytes every
+    0.05 s, or each chunk 25 s after its turn) held each chunk asked of it up to ``chunk_timeout`` (30 s):
+    here its late chunks are hedged by the trainer, it is dropped at its first chunk deadline
+    (``provider_grace`` + 64 KiB at ``min_provider_rate``: 3 s) and skipped by the next fetch."""
+    with swarm(f"nw-slow-{mode}") as s:
+        tensors = make_tensors()
+        (manifest,) = s.publisher.publish(tensors.items(), 0)
+        digest = s.publisher.record.manifests[0].digest
+        _, slow_id = start_provider(procs, s, tmp_path, "--serve-slow", mode)
+        receiver = s.receiver(chunk_timeout=30.0, stall_timeout=30.0)  # only the rate rule can help
+        wait_until(lambda: provider_sees(receiver, slow_id, digest), 15, what="the slow provider's record")
+        t0 = time.monotonic()
+        weights = fetch(receiver, 0)
+        elapsed = time.monotonic() - t0
+        assert torch.equal(weights.tensors["layer.weight"], tensors["layer.weight"])
+        slow = dict(receiver.stats.slow)
+        assert elapsed < 12.0, (elapsed, receiver.stats_dict())
+        assert slow["dropped"] == 1 and slow["hedged"] >= 1 and slow["hedge_won"] >= 1, dict(slow)
+        assert receiver.stats.failures["slow"] >= 1 and receiver.stats.banned == {}  # skipped, not banned
+        assert receiver.stats.bytes_by_provider[s.trainer_id.peer_id] >= manifest.total_bytes - 64 * 1024
+        assert receiver.stats_dict()["slow"] == slow  # in the inference peer's metrics line
+        # the next version: the slow provider is skipped (unreachable_seconds), nothing is late
+        step(tensors, 1)
+        s.publisher.publish(tensors.items(), 1)
+        t1 = time.monotonic()
+        assert fetch(receiver, 1).version == 1
+        assert time.monotonic() - t1 < 5.0
+        assert dict(receiver.stats.slow) == slow  # nothing late, nobody dropped
+
+
 def test_second_receiver_gets_the_version_from_the_first_so_the_trainer_uploads_it_once():
     with swarm("nw-assist") as s:
         tensors = make_tensors()

@@ -7,12 +7,16 @@ the trainer whose OpenSSH key is ``--trusted-key``, serves it with an upload cap
 With ``--answer-missing`` it misbehaves: its provider record still lists the version as complete, but it
 answers every chunk request "missing" (a provider that claims chunks it does not serve); with ``--follow``
 it then keeps fetching newer versions and does the same with each (``benchmarks/weights_missing.py``).
+With ``--serve-slow`` it serves valid chunks slowly on purpose: ``never`` (not one byte), ``drip`` (64 bytes
+every 0.05 s) or ``late`` (each chunk ``--late-seconds`` after its turn, just inside the receivers' old
+per-chunk timeout of 30 s by default).
 ``--stats-file`` receives what it served, as JSON, when it stops. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -31,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--answer-missing", action="store_true", help="claim every chunk, serve none")
     p.add_argument("--follow", action="store_true", help="keep fetching newer versions")
+    p.add_argument(
+        "--serve-slow", choices=["never", "drip", "late"], default=None, help="serve valid chunks slowly"
+    )
+    p.add_argument("--late-seconds", type=float, default=25.0, help="--serve-slow late: seconds per chunk")
     p.add_argument("--stats-file", default=None, help="write the served counters here at the end")
     args = p.parse_args(argv)
     stop = threading.Event()
@@ -69,6 +77,16 @@ def main(argv: list[str] | None = None) -> int:
                 fetcher.announce()
 
         lie()
+        if args.serve_slow:
+            servicer = fetcher.endpoint.servicer
+            if args.serve_slow == "drip":  # parts of 64 bytes (its own fetch is over: it reads no more parts)
+                servicer.limits = servicer.limits.model_copy(update={"part_size": 64})
+            pause = {"never": args.max_seconds, "drip": 0.05, "late": args.late_seconds}[args.serve_slow]
+
+            async def slow(nbytes: int) -> None:  # before each part it sends
+                await asyncio.sleep(pause)
+
+            servicer._throttle = slow
         fetcher.announce()  # synchronously, so that the test sees this provider once the file exists
         tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:

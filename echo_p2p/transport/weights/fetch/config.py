@@ -66,6 +66,27 @@ class FetcherConfig(BaseModel):
         gt=0,
         description="Deadline (s) to receive one whole chunk once it started (or the first)",
     )
+    min_provider_rate: float = Field(
+        default=64 * 1024,
+        ge=0,
+        description="Bytes/s a peer provider must deliver each chunk at: a chunk asked of it is asked of "
+        "another provider too once it is late at this rate (after half of provider_grace), and a chunk "
+        "not complete within provider_grace + size / min_provider_rate of its turn in the stream (at most "
+        "chunk_timeout) ends the stream as 'slow' and drops the provider from the fetch (0: chunk_timeout "
+        "only, no hedging). The publisher is exempt",
+    )
+    provider_grace: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds a peer provider gets for each chunk on top of size / min_provider_rate (dial, "
+        "request, queueing, the first byte)",
+    )
+    max_slow_drops: int = Field(
+        default=3,
+        ge=1,
+        description="Drops for slowness within missing_window after which a provider is banned for "
+        "ban_seconds; before that each drop only skips it for unreachable_seconds",
+    )
     fetch_timeout: float = Field(default=600.0, gt=0, description="Deadline (s) of one whole fetch")
     no_provider_timeout: float = Field(
         default=10.0,
@@ -154,6 +175,10 @@ class FetchStats:
         default_factory=Counter
     )  # transport trouble (timeouts, dead peers): reason -> count
     bytes_by_provider: Counter = field(default_factory=Counter)
+    # peer providers judged by their rate: chunks hedged (asked of a second provider because the first was
+    # late), hedges that delivered first (hedge_won), providers dropped from a fetch for a missed chunk
+    # deadline (dropped: skipped by later fetches for unreachable_seconds) and banned for it (banned)
+    slow: Counter = field(default_factory=Counter)
     retries: int = 0
     duplicate_bytes: int = 0
     last_fetch_seconds: float | None = None
@@ -170,6 +195,7 @@ class FetchStats:
             "rejected": dict(self.rejected),
             "failures": dict(self.failures),
             "bytes_by_provider": dict(self.bytes_by_provider),
+            "slow": dict(self.slow),
             "retries": self.retries,
             "duplicate_bytes": self.duplicate_bytes,
             "fetch_seconds": self.last_fetch_seconds,

@@ -3,12 +3,13 @@
 Owned here: ``WeightFetcher``, which reads the trainers'
 ``PolicyRecord``s, accepts manifests only from trusted trainers (``trust.check_manifest``), pulls chunks in
 parallel from several providers (the publisher and peers that hold or are fetching the same manifest), checks
-every digest, retries a chunk elsewhere on timeout, error, bad digest or a broken stream, bans a provider that
-served bad data, and swaps its ``PolicyWeights`` only once every chunk of the chain is verified and applied:
-a peer never runs a mixed policy. With ``serve`` on it serves what it holds (chunks of a version being
-fetched included) and announces itself as a provider (peer-assisted distribution); the publisher is spared:
-it is asked only for chunks no other provider holds or is fetching, and hands different chunks to
-different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself is a
+every digest, retries a chunk elsewhere on timeout, error, bad digest or a broken stream, asks a second
+provider for a chunk the first is late with, drops a peer provider below ``min_provider_rate``, bans a
+provider that served bad data (or was too slow again and again), and swaps its ``PolicyWeights`` only once
+every chunk of the chain is verified and applied: a peer never runs a mixed policy. With ``serve`` on it
+serves what it holds (chunks of a version being fetched included) and announces itself as a provider
+(peer-assisted distribution); the publisher is spared: it is asked only for chunks no other provider holds
+or is fetching, and hands different chunks to different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself is a
 ``session.FetchSession``, given this fetcher's collaborators (endpoint, directory, provider book, stats,
 verifier thread, stop event) and ``_ban`` as its ban callback; the settings, counters and reports
 (``FetcherConfig``, ``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``; the provider record's
@@ -504,7 +505,7 @@ class WeightFetcher:
     def _ban(self, peer_id: str, reason: str) -> None:
         if peer_id not in self.stats.banned:
             logger.warning(
-                "provider %s served bad data (%s): not asking it again for %.0f s",
+                "banning provider %s (%s): not asking it again for %.0f s",
                 peer_id,
                 reason,
                 self.config.ban_seconds,

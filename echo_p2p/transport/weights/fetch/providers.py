@@ -2,8 +2,9 @@
 
 Owned here: ``Source`` (one provider during one fetch: the manifests it lists complete or partial, the
 chunks it said it holds or is fetching, the chunks it then answered "missing" for, streams in flight to it,
-failures, its back-off and its request budget) and ``ProviderBook`` (kept by the fetcher for its lifetime:
-which providers are banned until when, and the "missing" answers each gave for chunks it had advertised).
+failures, its measured rate, its back-off and its request budget) and ``ProviderBook`` (kept by the fetcher
+for its lifetime: which providers are banned or skipped until when, the "missing" answers each gave for
+chunks it had advertised, and its recent drops for slowness).
 Used by ``scheduler``, ``session`` and ``fetcher``; must not open streams nor decide trust.
 
 A provider advertises a chunk by listing its manifest as complete in its ``ProviderRecord`` (it then holds
@@ -141,6 +142,7 @@ class ProviderBook:
         self.clock = clock
         self._banned_until: dict[str, float] = {}
         self._missing: dict[str, deque[float]] = {}  # peer -> times of its last "missing" answers
+        self._slow: dict[str, deque[float]] = {}  # peer -> times it was last dropped for slowness
 
     def banned(self, peer_id: str, now: float | None = None) -> bool:
         until = self._banned_until.get(peer_id)
@@ -169,6 +171,21 @@ class ProviderBook:
             times.popleft()
         _bound(self._missing, lambda t: not t or t[-1] < now - self.missing_window)
         return len(times) >= self.max_missing
+
+    def slow(self, peer_id: str, max_drops: int, now: float | None = None) -> bool:
+        """Record that ``peer_id`` was dropped from a fetch for slowness; True when that is its
+        ``max_drops``-th drop within ``missing_window`` seconds (the caller bans it)."""
+        now = self.clock() if now is None else now
+        times = self._slow.pop(peer_id, None) or deque(maxlen=max_drops)
+        self._slow[peer_id] = times
+        times.append(now)
+        while times and times[0] < now - self.missing_window:
+            times.popleft()
+        _bound(self._slow, lambda t: not t or t[-1] < now - self.missing_window)
+        if len(times) < max_drops:
+            return False
+        del self._slow[peer_id]  # a ban starts the count afresh
+        return True
 
     def missing_count(self, peer_id: str) -> int:
         return len(self._missing.get(peer_id, ()))

@@ -25,6 +25,10 @@ from echo_p2p.transport.weights.stream import RemoteError, StreamViolation
 from echo_p2p.weights.manifest import ChunkDigestError, ChunkError
 
 
+class StreamSlow(Exception):
+    """A chunk from a provider judged by its rate missed its deadline (``StreamLimits.chunk_seconds``)."""
+
+
 class StreamBroken(Exception):
     """A stream that ended early (the provider died or cut it): counted, retried elsewhere, not banned."""
 
@@ -53,9 +57,10 @@ class StreamFailure:
 
     ``violation``: the provider broke the protocol or served a bad chunk (``reason`` names how: a ban);
     ``remote``: it sent an error frame (``reason`` is its message); ``broken``: the stream ended early
-    (``truncated``, ``stream_ended``); ``timeout``: nothing came in time; ``error``: anything else."""
+    (``truncated``, ``stream_ended``); ``slow``: a chunk missed the rate deadline; ``timeout``: dialling,
+    opening or (without a rate) a chunk took too long; ``error``: anything else."""
 
-    kind: Literal["violation", "remote", "broken", "timeout", "error"]
+    kind: Literal["violation", "remote", "broken", "slow", "timeout", "error"]
     reason: str
     error: BaseException
 
@@ -90,10 +95,20 @@ class ChunkSink(Protocol):
 
 @dataclass(frozen=True)
 class StreamLimits:
-    """The reader's deadlines: dialling and opening (``request_timeout``), each chunk (``chunk_timeout``)."""
+    """The reader's deadlines: dialling and opening (``request_timeout``), each chunk (``chunk_timeout``),
+    and for a provider judged by its rate (``min_rate`` > 0) each chunk within ``grace + size / min_rate``
+    of its turn (the stream's start or the previous chunk's end), at most ``chunk_timeout``."""
 
     request_timeout: float
     chunk_timeout: float
+    min_rate: float = 0.0
+    grace: float = 0.0
+
+    def chunk_seconds(self, size: int) -> float:
+        """Seconds one chunk of ``size`` bytes may take from its turn."""
+        if self.min_rate <= 0:
+            return self.chunk_timeout
+        return min(self.chunk_timeout, self.grace + size / self.min_rate)
 
 
 async def read_stream(
@@ -144,6 +159,8 @@ async def read_stream(
         failure = StreamFailure("remote", str(exc), exc)
     except StreamBroken as exc:
         failure = StreamFailure("broken", exc.reason, exc)
+    except StreamSlow as exc:
+        failure = StreamFailure("slow", "slow", exc)
     except asyncio.IncompleteReadError as exc:
         failure = StreamFailure("broken", "truncated", exc)
     except (asyncio.TimeoutError, TimeoutError) as exc:
@@ -173,9 +190,16 @@ async def _read(
     current: int | None = None
     pieces: list[bytes] = []
     got = 0
-    deadline = time.monotonic() + limits.chunk_timeout  # for the chunk being received (or the first)
+    turn = time.monotonic()  # when the chunk being received (or the next) could start coming
+    # before a chunk's first part its size is not known: the largest it can be
+    deadline = turn + limits.chunk_seconds(max(manifest.chunks[i].size for i in state.expected))
     while True:
-        part = await stream.next(max(0.0, deadline - time.monotonic()))
+        try:
+            part = await stream.next(max(0.0, deadline - time.monotonic()))
+        except (asyncio.TimeoutError, TimeoutError):
+            if limits.min_rate > 0:
+                raise StreamSlow(f"a chunk not complete at {limits.min_rate:.0f} B/s") from None
+            raise
         if part is None:
             break
         if part.error:
@@ -198,7 +222,9 @@ async def _read(
             if current is not None:
                 raise StreamViolation("truncated", f"chunk {current} ended at {got} bytes")
             current, pieces, got = i, [], 0
-            deadline = time.monotonic() + limits.chunk_timeout  # a slow provider cannot hold it forever
+            # a slow provider cannot hold it forever: with a rate, the whole chunk counts from its turn
+            start = turn if limits.min_rate > 0 else time.monotonic()
+            deadline = start + limits.chunk_seconds(size)
             picked = state.picks_left > 0
             if picked:
                 state.picks_left -= 1
@@ -216,7 +242,9 @@ async def _read(
             state.verifying.append(asyncio.ensure_future(_store(s, entry, i, chunk, sink, verifier)))
             state.done.add(i)
             current, pieces, got = None, [], 0
-            deadline = time.monotonic() + limits.chunk_timeout  # for the next chunk's first part
+            turn = time.monotonic()
+            left = [manifest.chunks[j].size for j in state.expected - state.done]
+            deadline = turn + limits.chunk_seconds(max(left, default=0))  # for the next chunk's first part
     if current is not None:
         raise StreamBroken("truncated", f"stream ended inside chunk {current}")
     if not state.pick and state.expected - state.done:

@@ -12,7 +12,14 @@ at most ``max_inflight_per_provider`` streams and ``provider_request_rate`` stre
 asked (in pick mode: chunks of its choice among the candidates, ``publisher_pick`` in the first stream,
 then about ``pick_seconds`` of its measured rate) only for chunks no other live provider holds or is
 fetching, unless no chunk arrived for ``stall_timeout``; its freshness window is dropped for a manifest in
-``no_window``. A chunk is in flight to one provider at a time.
+``no_window``.
+
+Peer providers are judged by their rate (``min_provider_rate``, 0: off): each chunk asked of a peer is due
+``provider_grace / 2 + bytes / min_provider_rate`` after the request (bytes: that chunk and those asked
+before it in the same stream). A chunk still in flight when it is due is *late*: one other provider that
+holds it is asked for it too (a hedged request; the publisher without its freshness window and whatever it
+spares), and the first copy that verifies wins. A chunk is in flight to one provider, plus at most one
+hedge. Cutting a late stream and dropping its provider is the reader's deadline and the session's call.
 """
 
 from __future__ import annotations
@@ -26,19 +33,24 @@ from echo_p2p.transport.weights.fetch.config import FetcherConfig
 from echo_p2p.transport.weights.fetch.providers import Source
 from echo_p2p.transport.weights.service import ServedVersion
 
+#: Share of ``provider_grace`` after which a chunk not yet arrived (at ``min_provider_rate``) is hedged.
+HEDGE_GRACE_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class ChunkAsk:
     """One chunk stream the scheduler chose: ``indices`` of ``digest`` from ``source``.
 
     ``pick`` 0: the provider sends every index asked; k > 0: at most k chunks of its choice among ``indices``
-    (the publisher's pick mode), skipping those it handed out within ``fresh_for`` seconds."""
+    (the publisher's pick mode), skipping those it handed out within ``fresh_for`` seconds. ``hedges``: the
+    indices already in flight to a late provider, asked again here."""
 
     source: Source
     digest: str
     indices: list[int]
     pick: int = 0
     fresh_for: float = 0.0
+    hedges: tuple[int, ...] = ()
 
 
 class ChunkScheduler:
@@ -59,6 +71,8 @@ class ChunkScheduler:
         self.order = [e.digest for e in entries]
         self.missing = {e.digest: set(e.store.missing()) for e in entries}
         self.inflight: dict[str, dict[int, Source]] = {e.digest: {} for e in entries}
+        self.due: dict[str, dict[int, float]] = {e.digest: {} for e in entries}  # peer chunks: when late
+        self.hedges: dict[str, dict[int, Source]] = {e.digest: {} for e in entries}  # late chunk -> 2nd
         self.picks: Counter = Counter()  # digest -> chunks asked in pick mode whose first part has not come
         self.sources: dict[str, Source] = {}
         self.no_window: set[str] = set()  # digests asked of the publisher without the freshness window
@@ -93,6 +107,7 @@ class ChunkScheduler:
             "missing": {d[:12]: len(m) for d, m in self.missing.items()},
             "in_flight": {d[:12]: len(m) for d, m in self.inflight.items()},
             "picks": {d[:12]: n for d, n in self.picks.items()},
+            "hedges": {d[:12]: len(h) for d, h in self.hedges.items()},
             "no_window": sorted(d[:12] for d in self.no_window),
         }
 
@@ -116,18 +131,49 @@ class ChunkScheduler:
                 s.spend_request()
                 s.inflight += 1
                 self.picks[ask.digest] += ask.pick
+                for i in ask.hedges:
+                    self.hedges[ask.digest][i] = s
                 if not ask.pick:
-                    for i in ask.indices:
-                        self.inflight[ask.digest][i] = s
-                        self.entries[ask.digest].fetching.add(i)
+                    self._mark(ask, now)
                 asks.append(ask)
         return asks
+
+    def _mark(self, ask: ChunkAsk, now: float) -> None:
+        """The chunks of a non-pick ask are in flight to its source (hedged ones stay with the first); a
+        peer's are due at ``min_provider_rate``, in the order asked."""
+        rated = self.cfg.min_provider_rate > 0 and not ask.source.publisher
+        manifest = self.entries[ask.digest].manifest
+        due = now + HEDGE_GRACE_SHARE * self.cfg.provider_grace
+        for i in ask.indices:
+            if rated:
+                due += manifest.chunks[i].size / self.cfg.min_provider_rate
+            if i in ask.hedges:
+                continue
+            self.inflight[ask.digest][i] = ask.source
+            self.entries[ask.digest].fetching.add(i)
+            if rated:
+                self.due[ask.digest][i] = due
+
+    def late(self, digest: str, now: float) -> set[int]:
+        """Chunks of ``digest`` in flight to a peer past their due time and not hedged yet."""
+        hedged = self.hedges[digest]
+        return {i for i, t in self.due[digest].items() if t <= now and i not in hedged}
 
     def pick_work(self, s: Source, alive: list[Source], stalled: bool, now: float) -> ChunkAsk | None:
         """What to ask of ``s`` next (not yet counted in flight), or None."""
         for digest in self.order:
             if digest not in s.complete and digest not in s.partial:
                 continue
+            late = {i for i in self.late(digest, now) if self.inflight[digest].get(i) is not s}
+            if late and digest not in s.complete:
+                late = {i for i in late if s.holds(digest, i)}
+            if late:  # hedged first: the publisher without its window, and whatever it would spare
+                count = min(len(late), self.limit if s.publisher else self.cfg.chunks_per_request)
+                indices = sorted(late)[:count] if s.publisher else self.rng.sample(sorted(late), count)
+                hedges = tuple(indices)
+                if s.publisher and self.cfg.publisher_pick:
+                    return ChunkAsk(s, digest, indices, len(indices), 0.0, hedges)
+                return ChunkAsk(s, digest, indices, hedges=hedges)
             avail = self.missing[digest] - self.inflight[digest].keys()
             if digest not in s.complete:
                 avail &= s.have.get(digest, set())
@@ -167,30 +213,46 @@ class ChunkScheduler:
         holds it in flight."""
         if picked:
             self.picks[digest] -= 1
-        if index in self.inflight[digest]:
-            return False
+        holder = self.inflight[digest].get(index)
+        if holder is not None:
+            return holder is s
         self.inflight[digest][index] = s
         self.entries[digest].fetching.add(index)
         return True
 
     def release(self, digest: str, index: int, s: Source) -> bool:
-        """Chunk ``index`` is no longer in flight to ``s``; True when it is still missing (a retry)."""
+        """Chunk ``index`` is no longer in flight to ``s``; True when it is still missing (a retry). A hedge
+        in flight for it becomes the chunk's one request (no longer due: the reader's deadline bounds it)."""
         if self.inflight[digest].get(index) is not s:
             return False
         del self.inflight[digest][index]
+        self.due[digest].pop(index, None)
+        hedge = self.hedges[digest].pop(index, None)
+        if hedge is not None and index in self.missing[digest]:
+            self.inflight[digest][index] = hedge
+            return False
         self.entries[digest].fetching.discard(index)
         return index in self.missing[digest]
 
-    def chunk_stored(self, digest: str, index: int, now: float) -> None:
-        """Chunk ``index`` was verified and stored (new): it is neither missing nor in flight any more."""
+    def chunk_stored(self, digest: str, index: int, now: float, s: Source | None = None) -> bool:
+        """Chunk ``index`` was verified and stored (new): it is neither missing nor in flight any more.
+        True when ``s`` delivered it as a hedge (the first provider asked was late)."""
         self.missing[digest].discard(index)
         self.inflight[digest].pop(index, None)
+        self.due[digest].pop(index, None)
+        hedge = self.hedges[digest].pop(index, None)
         self.entries[digest].fetching.discard(index)
         self.last_progress = now
+        return s is not None and hedge is s
 
     def finished(self, ask: ChunkAsk, picks_left: int, mine: set[int]) -> int:
-        """The stream of ``ask`` ended: its picks not started and its chunks in flight are released.
-        Returns how many of those chunks are still missing (retries)."""
+        """The stream of ``ask`` ended: its picks not started, its hedges and its chunks in flight are
+        released. Returns how many of those chunks are still missing (retries)."""
         self.picks[ask.digest] -= picks_left
         ask.source.inflight -= 1
-        return sum(self.release(ask.digest, i, ask.source) for i in mine)
+        for i in ask.hedges:
+            if self.hedges[ask.digest].get(i) is ask.source:
+                del self.hedges[ask.digest][i]
+        # a hedge that became the chunk's one request (the first stream ended) is released too
+        held = set(mine) | {i for i in ask.hedges if self.inflight[ask.digest].get(i) is ask.source}
+        return sum(self.release(ask.digest, i, ask.source) for i in held)

@@ -5,7 +5,9 @@ polls partial providers' chunk maps, opens the streams ``scheduler.ChunkSchedule
 ``reader.read_stream`` run each, and turns each outcome into counters, a retry elsewhere, a back-off, a
 drop for the rest of the fetch or a ban (through the ``ban`` callback it is given); it ends a fetch that
 cannot complete (``version_dropped`` at once when the publisher no longer serves a manifest of the chain,
-``no_providers`` when nobody alive lists one, ``no_progress``, ``timeout``, ``stopped``). Its collaborators
+``no_providers`` when nobody alive lists one, ``no_progress``, ``timeout``, ``stopped``). A peer provider
+whose chunk misses its rate deadline (``reader.StreamLimits``) is dropped, skipped, and banned when it does
+so repeatedly (``_drop_slow``); the scheduler has hedged its late chunks by then. Its collaborators
 are passed in: the endpoint (dials and streams), the directory (provider records), the ``ProviderBook``
 (bans across fetches), the ``FetchStats`` it counts in, the verifier thread and the stop event. Must not
 decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
@@ -70,7 +72,10 @@ class FetchSession:
         self.wake = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.discover_seconds = 0.0
-        self.limits = StreamLimits(config.request_timeout, config.chunk_timeout)
+        self.publisher_limits = StreamLimits(config.request_timeout, config.chunk_timeout)
+        self.peer_limits = StreamLimits(
+            config.request_timeout, config.chunk_timeout, config.min_provider_rate, config.provider_grace
+        )
         # digests the publisher answered ``not_held`` for: dropped from its served chain (a newer keyframe)
         self.unserved: set[str] = set()
         # freshness window: digest -> when the publisher last had nothing fresh to pick (all handed out
@@ -247,9 +252,10 @@ class FetchSession:
     # ---- one stream -----------------------------------------------------------------------------------
     async def _request(self, ask: ChunkAsk) -> None:
         """One chunk stream (``reader.read_stream``); its outcome is mapped to a counter, a retry or a ban."""
-        outcome = await read_stream(
-            self.endpoint, ask, self.entries[ask.digest], self, self.verifier, self.limits
-        )
+        limits = self.publisher_limits if ask.source.publisher else self.peer_limits
+        if ask.hedges:
+            self.stats.slow["hedged"] += len(ask.hedges)
+        outcome = await read_stream(self.endpoint, ask, self.entries[ask.digest], self, self.verifier, limits)
         try:
             self._settle(outcome)
         finally:
@@ -284,6 +290,9 @@ class FetchSession:
         elif failure.kind == "broken":
             self.stats.rejected[failure.reason] += 1
             self._fail(s, failure.reason, failure.error)
+        elif failure.kind == "slow":
+            self.stats.failures["slow"] += 1
+            self._drop_slow(s)
         else:  # timeout, error
             self._fail(s, failure.reason, failure.error)
 
@@ -323,6 +332,29 @@ class FetchSession:
                 reason,
             )
 
+    def _drop_slow(self, s: Source) -> None:
+        """A chunk of ``s`` missed its rate deadline: dropped from this fetch (its late chunks were hedged
+        already) and skipped by later fetches for ``unreachable_seconds``; its ``max_slow_drops``-th drop
+        within ``missing_window`` bans it (``ban_seconds``). Slowness is not proof of malice (a congested
+        honest uplink is slow too), so one drop only skips it; a provider that keeps listing the newest
+        versions and keeps failing to deliver them at the minimum rate costs every fetch a hedge, and is
+        then banned like one that serves bad data."""
+        if s.dropped or s.publisher:
+            return
+        s.dropped = True
+        self.endpoint.forget(s.peer_id)
+        self.stats.slow["dropped"] += 1
+        if self.book.slow(s.peer_id, self.cfg.max_slow_drops):
+            self.stats.slow["banned"] += 1
+            self.ban(s.peer_id, "too_slow")
+        else:
+            self.book.ban(s.peer_id, seconds=self.cfg.unreachable_seconds)
+        logger.info(
+            "dropping provider %s for this fetch: a chunk slower than %.0f KiB/s",
+            s.peer_id[-8:],
+            self.cfg.min_provider_rate / 1024,
+        )
+
     # ---- what the reader reports (``reader.ChunkSink``) -------------------------------------------------
     def chunk_started(self, s: Source, digest: str, index: int, picked: bool) -> bool:
         return self.sched.chunk_started(s, digest, index, picked)
@@ -338,7 +370,8 @@ class FetchSession:
             return
         s.failures = s.wasted = 0
         now = time.monotonic()
-        self.sched.chunk_stored(entry.digest, index, now)
+        if self.sched.chunk_stored(entry.digest, index, now, s):
+            self.stats.slow["hedge_won"] += 1
         self.bytes_done += size
         self.wake.set()  # the main loop notices completion (and free candidates) at once
         if self.on_progress is not None:
