@@ -16,10 +16,10 @@ import pytest
 
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import ProviderRecord
-from echo_p2p.transport.weights.fetch.config import FetcherConfig
+from echo_p2p.transport.weights.fetch.config import FetcherConfig, chunk_allowance
 from echo_p2p.transport.weights.fetch.providers import ProviderBook, Source
 from echo_p2p.transport.weights.fetch.reader import StreamLimits
-from echo_p2p.transport.weights.fetch.scheduler import HEDGE_GRACE_SHARE, ChunkScheduler
+from echo_p2p.transport.weights.fetch.scheduler import HEDGE_SHARE, ChunkScheduler
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
 from echo_p2p.weights.manifest import ChunkStore
 from tests.unit.transport.local_weights import PUB, publish, servicer_of, session_for
@@ -35,6 +35,8 @@ def test_a_chunk_may_take_grace_plus_its_size_at_the_minimum_rate_never_more_tha
     assert limits.chunk_seconds(64 * 1024) == pytest.approx(3.0)
     assert limits.chunk_seconds(4 << 20) == 30  # a 4 MiB chunk: 66 s at the rate, capped
     assert StreamLimits(request_timeout=10, chunk_timeout=30).chunk_seconds(100) == 30  # no rate: as before
+    # a big chunk is hedged at half of chunk_timeout at most, whatever the rate
+    assert chunk_allowance(4 << 20, 30.0, 64 * 1024, 2.0) * HEDGE_SHARE == 15.0
     defaults = FetcherConfig()
     assert defaults.min_provider_rate == 64 * 1024 and defaults.provider_grace == 2.0
 
@@ -54,8 +56,8 @@ def test_chunks_asked_of_a_peer_are_due_at_the_minimum_rate_in_the_order_asked()
     sched, digest, _, slow = scheduler(chunks_per_request=4, max_inflight_per_provider=1)
     (ask,) = [a for a in sched.next_requests(NOW) if a.source is slow]
     due = [sched.due[digest][i] - NOW for i in ask.indices]
-    first = HEDGE_GRACE_SHARE * 0.2 + 400 / 1000
-    assert due == pytest.approx([first, first + 0.4, first + 0.8, first + 1.2])
+    first = HEDGE_SHARE * (0.2 + 400 / 1000)  # half of each chunk's allowance, one after the other
+    assert due == pytest.approx([first, 2 * first, 3 * first, 4 * first])
     assert sched.late(digest, NOW + first - 0.01) == set()
     assert sched.late(digest, NOW + first + 0.01) == {ask.indices[0]}
 
@@ -65,7 +67,7 @@ def test_a_late_chunk_is_hedged_once_by_the_publisher_without_its_window_and_the
     asks = sched.next_requests(NOW)
     assert [a.source for a in asks] == [slow]  # the publisher is spared: the peer holds everything
     first = asks[0].indices[0]
-    later = NOW + 1.0  # chunks 1 and 2 of the stream are late by now
+    later = NOW + 0.7  # the first two chunks of the stream are late by now (due 0.3 s and 0.6 s)
     late = sched.late(digest, later)
     assert first in late and len(late) == 2
     publisher.tokens = None  # its request budget is full again

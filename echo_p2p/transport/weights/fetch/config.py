@@ -1,5 +1,5 @@
 """Settings, counters and reports of a weight fetcher: ``FetcherConfig`` (validated with the peer's config,
-before anything starts), ``FetchStats`` (what the metrics line reports), ``FetchProgress`` (passed to the
+before anything starts) and the rate rule's per-chunk allowance (``chunk_allowance``), ``FetchStats`` (what the metrics line reports), ``FetchProgress`` (passed to the
 progress callback) and ``FetchError`` (a fetch that did not complete). Pure data; the machinery is
 ``fetcher``, ``session``, ``scheduler`` and ``reader``.
 """
@@ -69,11 +69,11 @@ class FetcherConfig(BaseModel):
     min_provider_rate: float = Field(
         default=64 * 1024,
         ge=0,
-        description="Bytes/s a peer provider must deliver each chunk at: a chunk asked of it is asked of "
-        "another provider too once it is late at this rate (after half of provider_grace), and a chunk "
-        "not complete within provider_grace + size / min_provider_rate of its turn in the stream (at most "
-        "chunk_timeout) ends the stream as 'slow' and drops the provider from the fetch (0: chunk_timeout "
-        "only, no hedging). The publisher is exempt",
+        description="Bytes/s a peer provider must deliver each chunk at: a chunk may take provider_grace + "
+        "size / min_provider_rate from its turn in the stream (at most chunk_timeout); one not complete by "
+        "then ends the stream as 'slow' and drops the provider from the fetch, and one not complete by half "
+        "of that (counted from the request, through the chunks asked before it) is asked of another provider "
+        "too (0: chunk_timeout only, no hedging). The publisher is exempt",
     )
     provider_grace: float = Field(
         default=2.0,
@@ -162,6 +162,14 @@ class FetcherConfig(BaseModel):
     limits: ServiceLimits = Field(
         default_factory=ServiceLimits, description="Serving limits (peer assistance)"
     )
+
+
+def chunk_allowance(size: int, chunk_timeout: float, min_rate: float, grace: float) -> float:
+    """Seconds one chunk of ``size`` bytes may take from its turn in a stream: ``grace + size / min_rate``, at
+    most ``chunk_timeout`` (``chunk_timeout`` when ``min_rate`` is 0: no rate)."""
+    if min_rate <= 0:
+        return chunk_timeout
+    return min(chunk_timeout, grace + size / min_rate)
 
 
 @dataclass

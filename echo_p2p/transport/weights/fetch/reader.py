@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from echo_p2p.proto import weights_pb2
+from echo_p2p.transport.weights.fetch.config import chunk_allowance
 from echo_p2p.transport.weights.fetch.providers import Source
 from echo_p2p.transport.weights.fetch.scheduler import ChunkAsk
 from echo_p2p.transport.weights.service import ServedVersion
@@ -105,10 +106,8 @@ class StreamLimits:
     grace: float = 0.0
 
     def chunk_seconds(self, size: int) -> float:
-        """Seconds one chunk of ``size`` bytes may take from its turn."""
-        if self.min_rate <= 0:
-            return self.chunk_timeout
-        return min(self.chunk_timeout, self.grace + size / self.min_rate)
+        """Seconds one chunk of ``size`` bytes may take from its turn (``config.chunk_allowance``)."""
+        return chunk_allowance(size, self.chunk_timeout, self.min_rate, self.grace)
 
 
 async def read_stream(

@@ -15,8 +15,9 @@ fetching, unless no chunk arrived for ``stall_timeout``; its freshness window is
 ``no_window``.
 
 Peer providers are judged by their rate (``min_provider_rate``, 0: off): each chunk asked of a peer is due
-``provider_grace / 2 + bytes / min_provider_rate`` after the request (bytes: that chunk and those asked
-before it in the same stream). A chunk still in flight when it is due is *late*: one other provider that
+``HEDGE_SHARE`` of its allowance (``config.chunk_allowance``: ``provider_grace + size / min_provider_rate``,
+at most ``chunk_timeout``) after the request, plus the same for the chunks asked before it in the same
+stream. A chunk still in flight when it is due is *late*: one other provider that
 holds it is asked for it too (a hedged request; the publisher without its freshness window and whatever it
 spares), and the first copy that verifies wins. A chunk is in flight to one provider, plus at most one
 hedge. Cutting a late stream and dropping its provider is the reader's deadline and the session's call.
@@ -29,12 +30,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from echo_p2p.transport.weights.fetch.config import FetcherConfig
+from echo_p2p.transport.weights.fetch.config import FetcherConfig, chunk_allowance
 from echo_p2p.transport.weights.fetch.providers import Source
 from echo_p2p.transport.weights.service import ServedVersion
 
-#: Share of ``provider_grace`` after which a chunk not yet arrived (at ``min_provider_rate``) is hedged.
-HEDGE_GRACE_SHARE = 0.5
+#: Share of a chunk's allowance (``config.chunk_allowance``) after which it is asked of a second provider.
+HEDGE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -140,13 +141,18 @@ class ChunkScheduler:
 
     def _mark(self, ask: ChunkAsk, now: float) -> None:
         """The chunks of a non-pick ask are in flight to its source (hedged ones stay with the first); a
-        peer's are due at ``min_provider_rate``, in the order asked."""
-        rated = self.cfg.min_provider_rate > 0 and not ask.source.publisher
+        peer's are due at half their allowance each, in the order asked."""
+        cfg = self.cfg
+        rated = cfg.min_provider_rate > 0 and not ask.source.publisher
         manifest = self.entries[ask.digest].manifest
-        due = now + HEDGE_GRACE_SHARE * self.cfg.provider_grace
+        due = now
         for i in ask.indices:
             if rated:
-                due += manifest.chunks[i].size / self.cfg.min_provider_rate
+                size = manifest.chunks[i].size
+                allowance = chunk_allowance(
+                    size, cfg.chunk_timeout, cfg.min_provider_rate, cfg.provider_grace
+                )
+                due += HEDGE_SHARE * allowance
             if i in ask.hedges:
                 continue
             self.inflight[ask.digest][i] = ask.source
