@@ -22,6 +22,10 @@ joins the run's DHT from its join address, finds the trainers in the directory a
   every 60 s;
 * ``tarpit``: a DHT node that joins the run, then never answers another request (its event loop is stuck,
   its daemon keeps the connections): every read or store that asks it waits for hivemind's timeout;
+* ``slow-late``, ``slow-drip``, ``slow-never``: a weight provider that follows the run's trusted trainers (it
+  fetches each new version like an inference peer), lists what it holds, and serves it valid but slowly:
+  each chunk 25 s after its turn (just inside the receivers' old 30 s per-chunk timeout), 64 bytes every
+  0.05 s, or never;
 * ``idle``: the control: joins like the push attacks (DHT node, P2P loop, reads the trainers from the
   directory every 0.5 s) and sends nothing, so that what the attacker's own processes cost a shared machine
   is measured apart from what its messages cost the run.
@@ -121,6 +125,8 @@ class Attacker:
                 return self._idle()
             if attack == "sybil":
                 return self._sybil()
+            if attack.startswith("slow-"):
+                return self._slow_provider(attack.removeprefix("slow-"))
             return self._push_attack(attack)
         finally:
             stop_dht(self.dht)
@@ -165,6 +171,40 @@ class Attacker:
                 self.stop.wait(0.5)
         finally:
             loop.shutdown()
+        return dict(self.seen)
+
+    # ---- attacks on the weights' distribution ----------------------------------------------------------
+    def _slow_provider(self, mode: str) -> dict:
+        from echo_p2p.guard.trust import RunTrust
+        from echo_p2p.transport.weights.fetch.config import FetcherConfig
+        from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
+
+        trust = RunTrust(owner=self.join.owner, run_id=self.join.run_id)
+        deadline = time.monotonic() + self.args.duration
+        while trust.record is None and not self.stop.is_set() and time.monotonic() < deadline:
+            trust.update(e.record for e in self.directory.run_records())
+            self.stop.wait(0.5)
+        self.directory.follow_trust(trust)
+        fetcher = WeightFetcher(self.dht, self.identity, self.keys, trust, FetcherConfig()).start()
+        servicer = fetcher.endpoint.servicer
+        if mode == "drip":  # parts of 64 bytes (the servicer's own limits; its fetches read as before)
+            servicer.limits = servicer.limits.model_copy(update={"part_size": 64})
+        pause = {"never": self.args.duration + 60, "drip": 0.05, "late": 25.0}[mode]
+
+        async def slow(nbytes: int) -> None:  # before each part it sends
+            await asyncio.sleep(pause)
+
+        servicer._throttle = slow
+        fetcher.follow()
+        try:
+            self.stop.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            self.seen.update(
+                versions_held=fetcher.version or 0,
+                streams_served=servicer.stats.streams,
+                bytes_served=servicer.stats.bytes_served,
+            )
+            fetcher.shutdown()
         return dict(self.seen)
 
     def _maker(self, attack: str):
@@ -384,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--attack",
         required=True,
-        choices=["poison", "oversized", "heavy", "flood", "ghost", "idle", "sybil", "tarpit"],
+        choices=[
+            *("poison", "oversized", "heavy", "flood", "ghost", "idle", "sybil", "tarpit"),
+            *("slow-late", "slow-drip", "slow-never"),
+        ],
     )
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--model", default="tiny")

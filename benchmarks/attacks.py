@@ -15,7 +15,8 @@ The ``idle`` arm is the control for the attacker's own processes (a DHT node, p2
 two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over the idle arms' mean.
 
 Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,idle,poison,oversized,heavy,flood,ghost,
-idle,baseline] [--out PATH]`` (about 1.5 minutes per arm; ``x base`` is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
+idle,baseline] [--out PATH]`` (``slow-late``, ``slow-drip``, ``slow-never``: a weight provider that serves valid
+chunks slowly) (about 1.5 minutes per arm; ``x base`` is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
 compare arms of the same run only.
 """
 
@@ -38,7 +39,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Keys the sybil attacker gets before its arm starts (it makes more, on the run's cores, if it needs them).
 SYBIL_KEYS = 300
-ARMS = ("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit")
+ARMS = (
+    *("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit"),
+    *("slow-late", "slow-drip", "slow-never"),
+)
 
 
 def wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float) -> bool:
