@@ -8,7 +8,9 @@ at nice 19: on a real network it has a machine of its own, and what is measured 
 cost the run, not its share of these two cores. Reported per arm: steps
 in the budget, steps per minute between the trainer's first and last step and its ratio to ``baseline``,
 rollouts consumed per second, the reward of the last 10 steps, the senders the trainers banned (the poisoner;
-any other is an honest peer banned by mistake), and what the attacker saw (the trainers'
+any other is an honest peer banned by mistake), what the inference peers' weight fetches did about slow
+providers (``fetch_slow``: chunks hedged, providers dropped and banned, summed over the peers; in the JSON),
+and what the attacker saw (the trainers'
 verdicts on what it sent, or the DHT's).
 
 The ``idle`` arm is the control for the attacker's own processes (a DHT node, p2pd, a Python loop) on these
@@ -115,6 +117,16 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
     for path in (workdir / "metrics").glob("trainer-*.jsonl"):
         lines = [x for x in read_metrics(str(path)) if "senders" in x]
         banned += lines[-1]["senders"].get("banned", 0) if lines else 0
+    fetch_slow: dict[
+        str, int
+    ] = {}  # the inference peers' weight fetches: slow providers hedged, dropped, banned
+    for path in (workdir / "metrics").glob("inference-*.jsonl"):
+        lines = [x for x in read_metrics(str(path)) if "weights" in x]
+        weights = lines[-1]["weights"] if lines else {}
+        for key, count in (weights.get("slow") or {}).items():
+            fetch_slow[key] = fetch_slow.get(key, 0) + count
+        if weights.get("banned"):
+            fetch_slow["providers_banned"] = fetch_slow.get("providers_banned", 0) + len(weights["banned"])
     span = summary.get("seconds_training") or 0.0
     return {
         "arm": arm,
@@ -124,6 +136,7 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
         "reward_final": summary.get("reward_final"),
         "refused_at_ingest": summary.get("refused_at_ingest"),
         "senders_banned": banned,
+        "fetch_slow": fetch_slow,
         "attacker_saw": seen,
     }
 
