@@ -98,6 +98,14 @@ def test_a_late_chunk_is_hedged_by_another_peer_that_holds_it():
     assert hedge.indices == [ask.indices[0]] and hedge.hedges == (ask.indices[0],) and hedge.pick == 0
 
 
+def test_chunks_in_flight_to_a_dropped_peer_are_late_at_once():
+    sched, digest, _, slow = scheduler(chunks_per_request=4, max_inflight_per_provider=2)
+    asks = sched.next_requests(NOW)
+    assert sched.late(digest, NOW) == set()
+    slow.dropped = True  # its first stream missed a deadline: its second runs out its own meanwhile
+    assert sched.late(digest, NOW) == {i for a in asks for i in a.indices}
+
+
 def test_without_a_minimum_rate_nothing_is_due_nor_hedged():
     sched, digest, _, slow = scheduler(min_provider_rate=0.0)
     sched.next_requests(NOW)

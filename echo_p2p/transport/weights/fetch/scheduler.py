@@ -161,18 +161,21 @@ class ChunkScheduler:
                 self.due[ask.digest][i] = due
 
     def late(self, digest: str, now: float) -> set[int]:
-        """Chunks of ``digest`` in flight to a peer past their due time and not hedged yet."""
-        hedged = self.hedges[digest]
-        return {i for i, t in self.due[digest].items() if t <= now and i not in hedged}
+        """Chunks of ``digest`` in flight to a peer past their due time (or to one dropped meanwhile, whose
+        other streams run out their deadlines) and not hedged yet."""
+        hedged, inflight = self.hedges[digest], self.inflight[digest]
+        return {
+            i for i, t in self.due[digest].items() if (t <= now or inflight[i].dropped) and i not in hedged
+        }
 
     def pick_work(self, s: Source, alive: list[Source], stalled: bool, now: float) -> ChunkAsk | None:
         """What to ask of ``s`` next (not yet counted in flight), or None."""
         for digest in self.order:
             if digest not in s.complete and digest not in s.partial:
                 continue
-            late = {i for i in self.late(digest, now) if self.inflight[digest].get(i) is not s}
-            if late and digest not in s.complete:
-                late = {i for i in late if s.holds(digest, i)}
+            late = {
+                i for i in self.late(digest, now) if self.inflight[digest][i] is not s and s.holds(digest, i)
+            }
             if late:  # hedged first: the publisher without its window, and whatever it would spare
                 count = min(len(late), self.limit if s.publisher else self.cfg.chunks_per_request)
                 indices = sorted(late)[:count] if s.publisher else self.rng.sample(sorted(late), count)
