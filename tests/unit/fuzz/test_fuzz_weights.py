@@ -1,6 +1,6 @@
 """Fuzz: the weights transport on both ends. The servicer's RPCs (``rpc_get_manifests``, ``rpc_have``,
 ``rpc_get_chunks``) called directly with any request; the receiver's chunk-stream reader (``ChunkStream``)
-fed any frames; the receiver's manifest check (``WeightFetcher._check``) given any bytes for a manifest.
+fed any frames; the receiver's manifest check (``ManifestCheck.check``) given any bytes for a manifest.
 Every request is answered (or refused with a known error) within its limits, every frame is a part, a
 clean end or a named refusal, and only the signed manifest passes; nothing raises anything else or hangs."""
 
@@ -14,11 +14,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from echo_p2p.guard.trust import TrustedTrainers
-from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.records import ManifestRef, PolicyRecord
 from echo_p2p.proto import weights_pb2
-from echo_p2p.transport.weights.fetch.config import FetcherConfig, FetchStats
-from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
+from echo_p2p.transport.weights.fetch.config import FetchStats
+from echo_p2p.transport.weights.fetch.manifests import ManifestCheck
 from echo_p2p.transport.weights.service import ServedVersion, ServiceLimits, WeightLibrary, WeightsServicer
 from echo_p2p.transport.weights.stream import ChunkStream, RemoteError, StreamViolation
 from echo_p2p.weights.codec import WeightEncoder
@@ -200,15 +199,10 @@ def test_the_chunk_stream_reader_turns_any_frames_into_parts_or_a_named_refusal(
 
 
 @pytest.fixture(scope="module")
-def fetcher(identity, library):
-    """What ``WeightFetcher._check`` uses, around the signed manifest of version 0."""
+def manifest_check(identity, library):
+    """A ``ManifestCheck`` trusting the publisher of the signed manifest of version 0, and that manifest."""
     entry = next(e for e in library.entries() if e.manifest.version == 0)
-    f = WeightFetcher.__new__(WeightFetcher)
-    f.trusted = TrustedTrainers.from_keys([identity.public_key_bytes()])
-    f.keys = SwarmKeys("fuzz")
-    f.config = FetcherConfig()
-    f.stats = FetchStats()
-    f._refused = {}
+    f = ManifestCheck(TrustedTrainers.from_keys([identity.public_key_bytes()]), "fuzz", FetchStats())
     m = entry.manifest
     ref = ManifestRef(
         version=m.version,
@@ -232,19 +226,19 @@ REFUSALS = {
 }
 
 
-def test_the_signed_manifest_passes_the_check(fetcher):
-    f, entry, ref, record = fetcher
-    assert f._check(entry.raw, ref, record, "QmPeer") is not None
+def test_the_signed_manifest_passes_the_check(manifest_check):
+    f, entry, ref, record = manifest_check
+    assert f.check(entry.raw, ref, record, "QmPeer") is not None
 
 
 @FUZZ
 @given(data=st.data())
-def test_any_other_bytes_for_a_manifest_are_refused_with_a_reason(fetcher, data):
-    f, entry, ref, record = fetcher
+def test_any_other_bytes_for_a_manifest_are_refused_with_a_reason(manifest_check, data):
+    f, entry, ref, record = manifest_check
     honest = msgpack_dict(entry.raw)
     raw = data.draw(hostile_bytes(entry.raw, extra=st.builds(packed, broken(honest))))
     before = sum(f.stats.rejected.values())
-    manifest = f._check(raw, ref, record, "QmPeer")
+    manifest = f.check(raw, ref, record, "QmPeer")
     event("passed" if manifest is not None else "refused")
     if manifest is not None:  # only the signed manifest (re-encoded the same way) may pass
         assert manifest.to_bytes() == entry.raw

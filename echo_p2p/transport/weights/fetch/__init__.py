@@ -4,6 +4,8 @@ Modules, each one concept (the imports go down this list, never up):
 
 - ``fetcher``: ``WeightFetcher``, the public API (trusted records, manifests, the chain, the atomic apply,
   serving and announcing what it holds).
+- ``manifests``: ``ManifestCheck`` (which manifests to accept: trusted signature, this run, the policy
+  record's reference; refusals remembered) and ``get_manifests`` (asking the publisher, then providers).
 - ``session``: ``FetchSession``, one transfer of a chain from several providers: provider discovery,
   chunk-map polls, and what each stream's outcome means (retry, back-off, drop, ban through a callback).
 - ``reader``: ``read_stream``, one chunk stream from request to verified chunks, returning a

@@ -1,15 +1,15 @@
 """Receiver side of the weights transport: find, fetch, verify and atomically apply policy versions.
 
-Owned here: ``WeightFetcher``, which reads the trainers'
-``PolicyRecord``s, accepts manifests only from trusted trainers (``trust.check_manifest``), pulls chunks in
-parallel from several providers (the publisher and peers that hold or are fetching the same manifest), checks
-every digest, retries a chunk elsewhere on timeout, error, bad digest or a broken stream, asks a second
-provider for a chunk the first is late with, drops a peer provider below ``min_provider_rate``, bans a
-provider that served bad data (or was too slow again and again), and swaps its ``PolicyWeights`` only once
-every chunk of the chain is verified and applied: a peer never runs a mixed policy. With ``serve`` on it
-serves what it holds (chunks of a version being fetched included) and announces itself as a provider
-(peer-assisted distribution); the publisher is spared: it is asked only for chunks no other provider holds
-or is fetching, and hands different chunks to different receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself is a
+Owned here: ``WeightFetcher``, which reads the trainers' ``PolicyRecord``s, accepts manifests only from
+trusted trainers (``manifests``), pulls chunks in parallel from several providers (the publisher and peers
+that hold or are fetching the same manifest), checks every digest, retries a chunk elsewhere on timeout,
+error, bad digest or a broken stream, asks a second provider for a chunk the first is late with, drops a
+peer provider below ``min_provider_rate``, bans a provider that served bad data (or was too slow again and
+again), and swaps its ``PolicyWeights`` only once every chunk of the chain is verified and applied: a peer
+never runs a mixed policy. With ``serve`` on it serves what it holds (chunks of a version being fetched
+included) and announces itself as a provider (peer-assisted distribution); the publisher is spared: it is
+asked only for chunks no other provider holds or is fetching, and hands different chunks to different
+receivers. Which manifests to fetch is ``chain.plan_chain``; the transfer itself is a
 ``session.FetchSession``, given this fetcher's collaborators (endpoint, directory, provider book, stats,
 verifier thread, stop event) and ``_ban`` as its ban callback; the settings, counters and reports
 (``FetcherConfig``, ``FetchStats``, ``FetchError``, ``FetchProgress``) are ``config``; the provider record's
@@ -20,7 +20,6 @@ benchmarks, tests. Bad input from peers is counted by reason in ``stats()``, nev
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -28,22 +27,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from echo_p2p.guard.trust import TrustedTrainers, check_manifest
+from echo_p2p.guard.trust import TrustedTrainers
 from echo_p2p.logs import VERSION_LINE_PERIOD, RateLimitedLog
 from echo_p2p.net.directory import SwarmDirectory
 from echo_p2p.net.identity import Identity
 from echo_p2p.net.keys import SwarmKeys
 from echo_p2p.net.reachability import Reachability
-from echo_p2p.net.records import ManifestRef, PolicyRecord, ProviderRecord
-from echo_p2p.proto import weights_pb2
+from echo_p2p.net.records import PolicyRecord, ProviderRecord
 from echo_p2p.transport.weights.fetch.announce import CoalescedStore
 from echo_p2p.transport.weights.fetch.chain import PlanError, plan_chain
 from echo_p2p.transport.weights.fetch.config import FetcherConfig, FetchError, FetchProgress, FetchStats
+from echo_p2p.transport.weights.fetch.manifests import ManifestCheck, get_manifests
 from echo_p2p.transport.weights.fetch.providers import MAX_TRACKED_PROVIDERS, ProviderBook
 from echo_p2p.transport.weights.fetch.session import FetchSession
-from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint, manifest_digest
+from echo_p2p.transport.weights.service import ServedVersion, WeightsEndpoint
 from echo_p2p.weights.codec import VersionAssembler, merge_changes
-from echo_p2p.weights.manifest import Manifest, WeightsError
+from echo_p2p.weights.manifest import WeightsError
 from echo_p2p.weights.model_io import PolicyWeights
 
 logger = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ class WeightFetcher:
         self.book = ProviderBook(
             self.config.ban_seconds, self.config.max_missing_answers, self.config.missing_window
         )
-        self._refused: dict[str, str] = {}  # manifest digest -> reason (never fetched again)
+        self.manifests = ManifestCheck(trusted, keys.run_id, self.stats)
         self._seen_untrusted: set[tuple[str, int]] = set()
         self._resume: dict[str, VersionAssembler] = {}  # partial stores of the last failed fetch
         self._partial: list[str] = []
@@ -257,7 +256,8 @@ class WeightFetcher:
                 continue
             if self.book.banned(record.peer_id):
                 continue
-            if any(r.digest in self._refused for r in record.manifests if r.version == record.version):
+            refused = self.manifests.refused
+            if any(r.digest in refused for r in record.manifests if r.version == record.version):
                 continue
             if held is not None and record.version <= held.version:
                 continue
@@ -270,35 +270,6 @@ class WeightFetcher:
                 best = record
         return best
 
-    def _refuse(self, digest: str, reason: str, who: str) -> None:
-        self.stats.rejected[reason] += 1
-        if len(self._refused) > 1024:
-            self._refused.clear()
-        self._refused[digest] = reason
-        logger.warning("refused manifest %s… from %s: %s", digest[:12], who[-8:], reason)
-
-    def _check(self, raw: bytes, ref: ManifestRef, record: PolicyRecord, who: str) -> Manifest | None:
-        digest = manifest_digest(raw)
-        try:
-            manifest = Manifest.from_bytes(raw)
-        except ValueError:
-            self._refuse(digest, "malformed_manifest", who)
-            return None
-        reason = check_manifest(manifest, self.trusted, self.keys.run_id)
-        if reason is None and (
-            manifest.publisher != record.peer_id
-            or manifest.stream_id != record.stream_id
-            or manifest.version != ref.version
-            or manifest.base_version != ref.base_version
-            or manifest.num_chunks != ref.num_chunks
-            or manifest.total_bytes != ref.total_bytes
-        ):
-            reason = "manifest_record_mismatch"
-        if reason is not None:
-            self._refuse(digest, reason, who)
-            return None
-        return manifest
-
     # ---- one fetch ------------------------------------------------------------------------------------
     def _fetch(self, record: PolicyRecord, t_start: float) -> PolicyWeights | None:
         phases = {"record": time.monotonic() - t_start}
@@ -310,9 +281,16 @@ class WeightFetcher:
         if not refs:
             return None
         try:
-            manifests = self.endpoint.run(
-                self._get_manifests(record, refs), self.config.request_timeout * 3 + 5
+            asked = get_manifests(
+                record,
+                refs,
+                check=self.manifests,
+                endpoint=self.endpoint,
+                directory=self.directory,
+                book=self.book,
+                request_timeout=self.config.request_timeout,
             )
+            manifests = self.endpoint.run(asked, self.config.request_timeout * 3 + 5)
         except TimeoutError:
             raise FetchError("timeout", "manifests not received in time") from None
         except concurrent.futures.CancelledError:  # the endpoint's loop was shut down under the call
@@ -322,7 +300,7 @@ class WeightFetcher:
         for ref, manifest in zip(refs, manifests, strict=True):
             if manifest is None:
                 raise FetchError(
-                    "manifest_refused" if ref.digest in self._refused else "manifest_unavailable"
+                    "manifest_refused" if ref.digest in self.manifests.refused else "manifest_unavailable"
                 )
             existing = self.endpoint.library.get(ref.digest) if self.config.serve else None
             asm = self._resume.get(ref.digest) or VersionAssembler(manifest)
@@ -403,53 +381,6 @@ class WeightFetcher:
             len(session.used),
         )
         return weights
-
-    async def _get_manifests(self, record: PolicyRecord, refs: list[ManifestRef]) -> list[Manifest | None]:
-        """The planned manifests, checked; asked of the publisher, then of providers that list them."""
-        found: dict[str, Manifest] = {}
-        wanted = {r.digest: r for r in refs}
-        candidates = [(record.peer_id, record.maddrs)]
-        read_providers = False
-        position = 0
-        while True:
-            need = [d for d in wanted if d not in found and d not in self._refused]
-            if not need:
-                break
-            if position == len(candidates):
-                if read_providers:
-                    break
-                read_providers = True  # the publisher did not give them all: ask providers that list them
-                providers = await asyncio.get_running_loop().run_in_executor(None, self.directory.providers)
-                candidates += [
-                    (e.record.peer_id, e.record.maddrs)
-                    for e in providers
-                    if e.record.peer_id != self.endpoint.peer_id and set(e.record.manifests) & set(need)
-                ]
-                continue
-            peer_id, maddrs = candidates[position]
-            position += 1
-            if self.book.banned(peer_id):
-                continue
-            try:
-                await self.endpoint.connect(peer_id, maddrs, self.config.request_timeout)
-                response = await self.endpoint.get_manifests(
-                    peer_id,
-                    weights_pb2.ManifestsRequest(digests=[bytes.fromhex(d) for d in need]),
-                    self.config.request_timeout,
-                )
-            except Exception as exc:  # a dead or misbehaving peer: try the next one
-                self.stats.failures["manifest_request"] += 1
-                logger.warning("manifest request to %s failed: %r", peer_id[-8:], exc)
-                continue
-            for raw in response.manifests[: len(need)]:
-                digest = manifest_digest(raw)
-                if digest not in wanted:  # not what was asked for: that provider's fault
-                    self.stats.rejected["unexpected_manifest"] += 1
-                elif digest not in found:
-                    manifest = self._check(raw, wanted[digest], record, peer_id)
-                    if manifest is not None:
-                        found[digest] = manifest
-        return [found.get(r.digest) for r in refs]
 
     # ---- serving and announcing -----------------------------------------------------------------------
     def _retain(self, fetched: list[ServedVersion]) -> None:
