@@ -24,8 +24,8 @@ joins the run's DHT from its join address, finds the trainers in the directory a
   its daemon keeps the connections): every read or store that asks it waits for hivemind's timeout;
 * ``slow-late``, ``slow-drip``, ``slow-never``: a weight provider that follows the run's trusted trainers (it
   fetches each new version like an inference peer), lists what it holds, and serves it valid but slowly:
-  each chunk 25 s after its turn (just inside the receivers' old 30 s per-chunk timeout), 64 bytes every
-  0.05 s, or never;
+  each chunk 25 s after its turn (just inside the receivers' old 30 s per-chunk timeout), at 1,280 bytes/s,
+  or never;
 * ``idle``: the control: joins like the push attacks (DHT node, P2P loop, reads the trainers from the
   directory every 0.5 s) and sends nothing, so that what the attacker's own processes cost a shared machine
   is measured apart from what its messages cost the run.
@@ -187,12 +187,16 @@ class Attacker:
         self.directory.follow_trust(trust)
         fetcher = WeightFetcher(self.dht, self.identity, self.keys, trust, FetcherConfig()).start()
         servicer = fetcher.endpoint.servicer
-        if mode == "drip":  # parts of 64 bytes (the servicer's own limits; its fetches read as before)
-            servicer.limits = servicer.limits.model_copy(update={"part_size": 64})
-        pause = {"never": self.args.duration + 60, "drip": 0.05, "late": 25.0}[mode]
+        # drip: 1,280 bytes/s (64 bytes every 0.05 s), each part sent once its bytes would have trickled out
+        # (smaller parts would also shrink the frames its own fetches accept: the endpoint shares the limits)
+        pause = {
+            "never": lambda n: self.args.duration + 60,
+            "drip": lambda n: n / 1280,
+            "late": lambda n: 25.0,
+        }
 
         async def slow(nbytes: int) -> None:  # before each part it sends
-            await asyncio.sleep(pause)
+            await asyncio.sleep(pause[mode](nbytes))
 
         servicer._throttle = slow
         fetcher.follow()
