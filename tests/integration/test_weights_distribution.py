@@ -330,8 +330,8 @@ def test_a_slow_provider_is_dropped_and_the_fetch_finishes_from_the_trainer_with
 ):
     """A provider process that lists the version and serves it valid but slowly (never, 64 bytes every
     0.05 s, or each chunk 25 s after its turn) held each chunk asked of it up to ``chunk_timeout`` (30 s):
-    here its late chunks are hedged by the trainer, it is dropped at its first chunk deadline
-    (``provider_grace`` + 64 KiB at ``min_provider_rate``: 3 s) and skipped by the next fetch."""
+    here its late chunks are hedged by the trainer, it is dropped once a hedge beats it (or at its first chunk
+    deadline, ``provider_grace`` + 64 KiB at ``min_provider_rate``: 3 s) and skipped by the next fetch."""
     with swarm(f"nw-slow-{mode}") as s:
         tensors = make_tensors()
         (manifest,) = s.publisher.publish(tensors.items(), 0)
@@ -346,7 +346,7 @@ def test_a_slow_provider_is_dropped_and_the_fetch_finishes_from_the_trainer_with
         slow = dict(receiver.stats.slow)
         assert elapsed < 12.0, (elapsed, receiver.stats_dict())
         assert slow["dropped"] == 1 and slow["hedged"] >= 1 and slow["hedge_won"] >= 1, dict(slow)
-        assert receiver.stats.failures["slow"] >= 1 and receiver.stats.banned == {}  # skipped, not banned
+        assert receiver.stats.banned == {}  # skipped, not banned
         assert receiver.stats.bytes_by_provider[s.trainer_id.peer_id] >= manifest.total_bytes - 64 * 1024
         assert receiver.stats_dict()["slow"] == slow  # in the inference peer's metrics line
         # the next version: the slow provider is skipped (unreachable_seconds), nothing is late

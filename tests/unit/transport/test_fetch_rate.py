@@ -158,7 +158,7 @@ async def test_a_slow_provider_is_dropped_and_skipped_and_the_fetch_completes_fr
     # stall_timeout is 30 s: only the hedges and the drop can have brought the publisher in
     assert elapsed < 3.0, session.stats
     assert session.stats.slow["hedged"] >= 1 and session.stats.slow["hedge_won"] >= 1
-    assert session.stats.slow["dropped"] == 1 and session.stats.failures["slow"] >= 1
+    assert session.stats.slow["dropped"] == 1  # at its deadline, or as soon as a hedge beat it
     assert session.sched.sources[SLOW].dropped
     assert session.book.banned(SLOW) and session.stats.banned == {}  # skipped for a while, not banned
     assert not session.book.banned(SLOW, session.book.clock() + session.cfg.unreachable_seconds + 1)

@@ -20,7 +20,8 @@ at most ``chunk_timeout``) after the request, plus the same for the chunks asked
 stream. A chunk still in flight when it is due is *late*: one other provider that
 holds it is asked for it too (a hedged request; the publisher without its freshness window and whatever it
 spares), and the first copy that verifies wins. A chunk is in flight to one provider, plus at most one
-hedge. Cutting a late stream and dropping its provider is the reader's deadline and the session's call.
+hedge. Cutting a late stream and dropping its provider (at its deadline, or once a hedge beat it) is the
+reader's deadline and the session's call.
 """
 
 from __future__ import annotations
@@ -243,16 +244,16 @@ class ChunkScheduler:
         self.entries[digest].fetching.discard(index)
         return index in self.missing[digest]
 
-    def chunk_stored(self, digest: str, index: int, now: float, s: Source | None = None) -> bool:
+    def chunk_stored(self, digest: str, index: int, now: float, s: Source | None = None) -> Source | None:
         """Chunk ``index`` was verified and stored (new): it is neither missing nor in flight any more.
-        True when ``s`` delivered it as a hedge (the first provider asked was late)."""
+        Returns the provider it was first asked of when ``s`` delivered it as a hedge (that one was late)."""
         self.missing[digest].discard(index)
-        self.inflight[digest].pop(index, None)
+        first = self.inflight[digest].pop(index, None)
         self.due[digest].pop(index, None)
         hedge = self.hedges[digest].pop(index, None)
         self.entries[digest].fetching.discard(index)
         self.last_progress = now
-        return s is not None and hedge is s
+        return first if s is not None and hedge is s and first is not s else None
 
     def finished(self, ask: ChunkAsk, picks_left: int, mine: set[int]) -> int:
         """The stream of ``ask`` ended: its picks not started, its hedges and its chunks in flight are

@@ -333,8 +333,9 @@ class FetchSession:
             )
 
     def _drop_slow(self, s: Source) -> None:
-        """A chunk of ``s`` missed its rate deadline: dropped from this fetch (its late chunks were hedged
-        already) and skipped by later fetches for ``unreachable_seconds``; its ``max_slow_drops``-th drop
+        """A chunk of ``s`` missed its rate deadline, or a hedge delivered it first (a fetch that completes
+        from the hedges ends before the late stream's deadline): ``s`` is dropped from this fetch and
+        skipped by later fetches for ``unreachable_seconds``; its ``max_slow_drops``-th drop
         within ``missing_window`` bans it (``ban_seconds``). Slowness is not proof of malice (a congested
         honest uplink is slow too), so one drop only skips it; a provider that keeps listing the newest
         versions and keeps failing to deliver them at the minimum rate costs every fetch a hedge, and is
@@ -370,8 +371,10 @@ class FetchSession:
             return
         s.failures = s.wasted = 0
         now = time.monotonic()
-        if self.sched.chunk_stored(entry.digest, index, now, s):
+        late = self.sched.chunk_stored(entry.digest, index, now, s)
+        if late is not None:  # a hedge beat the provider first asked: it was late, whatever it sends now
             self.stats.slow["hedge_won"] += 1
+            self._drop_slow(late)
         self.bytes_done += size
         self.wake.set()  # the main loop notices completion (and free candidates) at once
         if self.on_progress is not None:
