@@ -21,8 +21,11 @@ from tests.integration.test_owner_walkthrough import owner_init
 pytestmark = pytest.mark.timeout(120)
 
 #: What a refusal may take here, from the command to its exit, three peers started at once (each imports torch
-#: first, on 2 shared cores): the goal is 10 s for one peer on a machine of its own.
-REFUSED_WITHIN = 25.0
+#: first) on 2 cores that another test file's swarm shares (scripts/test.sh runs two files at a time): 26 s was
+#: seen there. The goal is 10 s for one peer on a machine of its own; what this bound guards against is the
+#: silent wait of the join deadline (600 s) a wrong owner or run id used to get. An unreachable bootstrap used to
+#: print its hint ~20 times and exit after 34-60 s: its error names the 5 s knock deadline and comes once
+REFUSED_WITHIN = 60.0
 
 
 def join(address: str) -> subprocess.Popen:
@@ -65,7 +68,7 @@ def test_a_wrong_owner_a_wrong_run_id_and_an_unreachable_bootstrap_are_named_at_
             took = time.monotonic() - t0
             print(f"{name}: exit {proc.returncode} after {took:.1f} s")
             assert proc.returncode == 1, (name, proc.returncode, stderr[-2000:])
-            assert f"error: {cases[name][1]}" in stderr, (name, stderr[-2000:])
+            assert stderr.count(f"error: {cases[name][1]}") == 1, (name, stderr[-2000:])
             assert "Traceback" not in stderr
             assert took < REFUSED_WITHIN, (name, took)
     finally:
