@@ -116,21 +116,11 @@ class CompletionScore:
     def p_value(self, allowance: float = 0.0) -> float:
         """``P(Gamma(tokens, 1) >= tail - tokens * allowance)``: how unlikely a sample scores this far into
         the tail, with ``allowance`` nats per token forgiven (how far the policy moved since the sample)."""
-        return gamma_upper_tail(self.tokens, self.tail - self.tokens * allowance)
+        return p_values([self], [allowance])[0]
 
     def log_e(self, tilt: float, allowance: float = 0.0) -> float:
         """Log of the completion's e-value ``(1 - tilt)^n exp(tilt * (tail - n * allowance))``."""
         return self.tokens * math.log1p(-tilt) + tilt * (self.tail - self.tokens * allowance)
-
-
-def gamma_upper_tail(n: int, x: float) -> float:
-    """``P(Gamma(n, 1) >= x)`` for a whole ``n >= 1``: ``exp(-x) sum_{k<n} x^k / k!`` (in log space)."""
-    if n <= 0 or x <= 0:
-        return 1.0
-    log_x = math.log(x)
-    terms = [k * log_x - math.lgamma(k + 1) for k in range(n)]
-    top = max(terms)
-    return min(1.0, math.exp(top - x + math.log(math.fsum(math.exp(t - top) for t in terms))))
 
 
 #: Rows of logits scored at once: bounds the float32 temporaries to a few times 16 MiB.
@@ -138,8 +128,9 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def p_values(scores: list[CompletionScore], allowances: list[float]) -> list[float]:
-    """``CompletionScore.p_value`` of each score with its allowance, at once (torch's regularised upper
-    incomplete gamma: the learner calls this on every completion it trains on); 1 for an empty completion."""
+    """``P(Gamma(tokens, 1) >= tail - tokens * allowance)`` of each score with its allowance, at once (torch's
+    regularised upper incomplete gamma: the learner calls this on every completion it trains on; one
+    ``CompletionScore.p_value`` is this of one); 1 for an empty completion or a tail forgiven to 0."""
     import torch
 
     if not scores:
