@@ -61,6 +61,43 @@ def format_alerts(status: dict[str, Any]) -> str:
     return "\n".join(f"ALERT {a['code']}: {a['message']}" for a in status.get("alerts", []))
 
 
+class StatusReader:
+    """Reads the status of runs (what ``status`` prints) through one client-mode DHT node, kept for every
+    read: ``status`` starts one per command, a program that polls keeps one. ``targets``: run id -> the
+    ``monitor.target.Target`` to read (they share their network settings); raises ``NodeStartError``."""
+
+    def __init__(self, targets: dict[str, Any]):
+        from echo_p2p.net.identity import load_or_create_identity
+        from echo_p2p.net.keys import SwarmKeys
+        from echo_p2p.net.node import start_dht
+
+        self.targets = targets
+        network = next(iter(targets.values())).network
+        self.identity = load_or_create_identity(network.identity_path)
+        self.keys = {run_id: SwarmKeys(run_id) for run_id in targets}
+        try:
+            self.dht = start_dht(network, self.identity, list(self.keys.values()), client_mode=True)
+        except BaseException:
+            self.identity.cleanup()
+            raise
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        from echo_p2p.monitor.status import build_status, read_snapshot
+        from echo_p2p.net.directory import SwarmDirectory
+        from echo_p2p.net.node import neighbour_counts
+
+        target = self.targets[run_id]
+        directory = SwarmDirectory(self.dht, self.keys[run_id], self.identity, target.network.request_timeout)
+        snapshot = read_snapshot(directory, run_id, target.trust, lambda: neighbour_counts(self.dht)[1])
+        return build_status(snapshot)
+
+    def close(self) -> None:
+        from echo_p2p.net.node import stop_dht
+
+        stop_dht(self.dht)
+        self.identity.cleanup()
+
+
 def main(argv: list[str] | None = None) -> None:
     from echo_p2p.config import ConfigError
 
@@ -73,32 +110,22 @@ def main(argv: list[str] | None = None) -> None:
     from echo_p2p.logs import setup_logging
 
     setup_logging("WARNING")
-    from echo_p2p.monitor.status import build_status, read_snapshot
-    from echo_p2p.net.directory import SwarmDirectory
-    from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.net.keys import SwarmKeys
-    from echo_p2p.net.node import NodeStartError, neighbour_counts, start_dht, stop_dht
+    from echo_p2p.net.node import NodeStartError
 
-    identity = load_or_create_identity(target.network.identity_path)
-    dht = None
     try:
-        keys = SwarmKeys(target.run_id)
-        dht = start_dht(target.network, identity, [keys], client_mode=True)
-        directory = SwarmDirectory(dht, keys, identity, target.network.request_timeout)
-        snapshot = read_snapshot(directory, target.run_id, target.trust, lambda: neighbour_counts(dht)[1])
-        status = build_status(snapshot)
+        reader = StatusReader({target.run_id: target})
+    except NodeStartError as exc:
+        fail(str(exc), EXIT_START)
+    try:
+        status = reader.status(target.run_id)
         if args.json:
             print(json.dumps(status, indent=2, allow_nan=False))
         else:
             print(format_table(target.run_id, status["peers"]))
             if status["alerts"]:
                 print(format_alerts(status))
-    except NodeStartError as exc:
-        fail(str(exc), EXIT_START)
     finally:
-        if dht is not None:
-            stop_dht(dht)
-        identity.cleanup()
+        reader.close()
     sys.exit(0)
 
 

@@ -165,43 +165,20 @@ def wait_until(predicate, timeout: float, period: float = 0.2, what: str = "cond
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-class StatusReader:
-    """What ``python -m echo_p2p.swarm status --json`` prints, read in this process through one client-mode DHT
-    node kept for every read: the target, the read and the status are the CLI's own functions; the CLI starts a
-    node per call (~4 s on 2 cores), which made tests that poll the status slow and their deadlines coarse."""
+def status_reader(maddr: str, run_ids: list[str], workdir: Path):
+    """``echo_p2p.swarm.StatusReader`` for ``run_ids`` through the bootstrap ``maddr``, with the targets the
+    ``status`` command's flags give: what it prints, read in this process through one DHT node for every poll
+    (the command starts a node per call, ~4 s on 2 cores, which made polling tests slow and their deadlines
+    coarse)."""
+    from echo_p2p.monitor.target import resolve_target
+    from echo_p2p.swarm import StatusReader, build_parser
 
-    def __init__(self, maddr: str, run_ids: list[str], workdir: Path):
-        from echo_p2p.monitor.target import resolve_target
-        from echo_p2p.net.identity import load_or_create_identity
-        from echo_p2p.net.keys import SwarmKeys
-        from echo_p2p.net.node import start_dht
-        from echo_p2p.swarm import build_parser
-
-        self.targets = {}
-        for run_id in run_ids:
-            args = ["status", "--run-id", run_id, "--initial-peers", maddr, "--host-maddrs", LOOPBACK]
-            args += ["--identity-path", str(workdir / "status-reader.id")]
-            self.targets[run_id] = resolve_target(build_parser().parse_args(args))
-        network = next(iter(self.targets.values())).network
-        self.identity = load_or_create_identity(network.identity_path)
-        self.keys = {run_id: SwarmKeys(run_id) for run_id in run_ids}
-        self.dht = start_dht(network, self.identity, list(self.keys.values()), client_mode=True)
-
-    def status(self, run_id: str) -> dict:
-        from echo_p2p.monitor.status import build_status, read_snapshot
-        from echo_p2p.net.directory import SwarmDirectory
-        from echo_p2p.net.node import neighbour_counts
-
-        target = self.targets[run_id]
-        directory = SwarmDirectory(self.dht, self.keys[run_id], self.identity, target.network.request_timeout)
-        snapshot = read_snapshot(directory, run_id, target.trust, lambda: neighbour_counts(self.dht)[1])
-        return build_status(snapshot)
-
-    def close(self) -> None:
-        from echo_p2p.net.node import stop_dht
-
-        stop_dht(self.dht)
-        self.identity.cleanup()
+    targets = {}
+    for run_id in run_ids:
+        args = ["status", "--run-id", run_id, "--initial-peers", maddr, "--host-maddrs", LOOPBACK]
+        args += ["--identity-path", str(workdir / "status-reader.id")]
+        targets[run_id] = resolve_target(build_parser().parse_args(args))
+    return StatusReader(targets)
 
 
 class LabProcs(Procs):

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import LOOPBACK, StatusReader, read_log, wait_until
+from tests.conftest import LOOPBACK, read_log, status_reader, wait_until
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -80,7 +80,7 @@ def test_status_lists_peers_with_roles_then_forgets_killed_and_stopped_ones(proc
         wait_until(lambda p=p: "joined run" in read_log(p) or p.poll() is not None, 60, what="peer join")
         assert p.poll() is None, read_log(p)
     ids = {peer_id_from_log(p): p for p in (trainer, inf1, inf2)}
-    reader = StatusReader(maddr, ["run-a", "run-b"], tmp_path)  # the CLI's read, without a process per poll
+    reader = status_reader(maddr, ["run-a", "run-b"], tmp_path)  # the CLI's read, without a process per poll
     try:
         _status_follows_joins_kills_and_stops(procs, maddr, reader, trainer, inf1, inf2, ids)
     finally:
