@@ -1,7 +1,7 @@
-r"""Replay buffer and staleness policy of a trainer peer.
+"""Replay buffer and staleness policy of a trainer peer.
 
-Owned here: ``ReplayBuffer`` (of ``train.scored.ScoredGroup``\ s): de-duplication by ``rollout_id``, bounded memory, the staleness rule,
-reuse counting and the stats a trainer logs and announces (``free_room``).
+Owned here: ``ReplayBuffer``, holding ``train.scored.ScoredGroup`` items: de-duplication by ``rollout_id``,
+bounded memory, the staleness rule, reuse counting and the stats a trainer logs and announces (``free_room``).
 Called by the trainer peer: its ingest thread calls ``add``; its training loop calls ``take``.
 Must not import torch or hivemind (the ingest path stays pure Python) and must not validate or re-score
 rollouts (the trainer does that before ``add``): every ``ScoredGroup`` that gets here is trusted.
