@@ -164,28 +164,29 @@ class ProviderBook:
         if count <= 0:
             return False
         now = self.clock() if now is None else now
-        times = self._missing.pop(peer_id, None) or deque(maxlen=self.max_missing)
-        self._missing[peer_id] = times
-        times.extend([now] * min(count, self.max_missing))
-        while times and times[0] < now - self.missing_window:
-            times.popleft()
-        _bound(self._missing, lambda t: not t or t[-1] < now - self.missing_window)
-        return len(times) >= self.max_missing
+        return self._record(self._missing, peer_id, count, self.max_missing, now) >= self.max_missing
 
     def slow(self, peer_id: str, max_drops: int, now: float | None = None) -> bool:
         """Record that ``peer_id`` was dropped from a fetch for slowness; True when that is its
         ``max_drops``-th drop within ``missing_window`` seconds (the caller bans it)."""
         now = self.clock() if now is None else now
-        times = self._slow.pop(peer_id, None) or deque(maxlen=max_drops)
-        self._slow[peer_id] = times
-        times.append(now)
-        while times and times[0] < now - self.missing_window:
-            times.popleft()
-        _bound(self._slow, lambda t: not t or t[-1] < now - self.missing_window)
-        if len(times) < max_drops:
+        if self._record(self._slow, peer_id, 1, max_drops, now) < max_drops:
             return False
         del self._slow[peer_id]  # a ban starts the count afresh
         return True
+
+    def _record(
+        self, table: dict[str, deque[float]], peer_id: str, count: int, limit: int, now: float
+    ) -> int:
+        """Add ``count`` events of ``peer_id`` at ``now`` to ``table`` (its last ``limit`` kept) and forget
+        those older than ``missing_window``; how many it holds now."""
+        times = table.pop(peer_id, None) or deque(maxlen=limit)
+        table[peer_id] = times  # re-inserted last: the oldest are forgotten first
+        times.extend([now] * min(count, limit))
+        while times and times[0] < now - self.missing_window:
+            times.popleft()
+        _bound(table, lambda t: not t or t[-1] < now - self.missing_window)
+        return len(times)
 
     def missing_count(self, peer_id: str) -> int:
         return len(self._missing.get(peer_id, ()))
