@@ -291,7 +291,7 @@ def ingest_trainer_main(argv: list[str]) -> None:
     from echo_p2p.config import ConfigError
     from echo_p2p.logs import setup_logging
     from echo_p2p.peer import parse_config
-    from echo_p2p.roles.trainer import TrainerPeer
+    from echo_p2p.roles.trainer.peer import TrainerPeer
 
     class IngestOnlyTrainer(TrainerPeer):
         """The real trainer peer (ingest servicer, validator, buffer, optimizer, publisher); its training

@@ -248,7 +248,7 @@ def make_peer(config):
         from echo_p2p.roles.inference import InferencePeer
 
         return InferencePeer(config)
-    from echo_p2p.roles.trainer import TrainerPeer
+    from echo_p2p.roles.trainer.peer import TrainerPeer
 
     return TrainerPeer(config)
 

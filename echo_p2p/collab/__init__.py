@@ -7,7 +7,7 @@ and keep one state.
 - ``sync``: ``SyncedOptimizer``, the lineage check on every gradient round that keeps the trainers' parameters
   and Adam statistics identical (a trainer off the round's reference downloads the whole state).
 
-Used by the trainer peer (``roles/trainer.py``); the settings live in ``echo_p2p.config``. Losses are
+Used by the trainer peer (``roles/trainer/peer.py``); the settings live in ``echo_p2p.config``. Losses are
 computed in ``echo_p2p.train``, weights published by ``echo_p2p.transport.weights``. Nothing is imported
 here: importing the package stays free of hivemind and torch.
 """

@@ -87,3 +87,26 @@ def random_groups() -> Callable[..., list[ScoredGroup]]:
 def scored_group() -> Callable[..., ScoredGroup]:
     """``make_group`` as a fixture (test modules do not import conftest by name)."""
     return make_group
+
+
+#: A bootstrap address nobody listens on: peers built from it are constructed, never started.
+UNSTARTED_BOOTSTRAP = "/ip4/127.0.0.1/tcp/31337/p2p/QmNMa1sxAWQsRdGFBa2Kyaxx8bZYuJPPtV4xgKh1Bi8bFp"
+
+
+def unstarted_peer(cls, metrics_dir=None, *flags: str, **settings):
+    """A real peer of class ``cls`` (its role's flags, then ``settings`` over the parsed config's top-level
+    fields), constructed as the CLI constructs it but never started: no DHT, no threads. Tests set the
+    collaborators a started peer would have built (an intake, a publish schedule, a pusher) instead of
+    creating the object with ``__new__``. Without ``metrics_dir`` it writes no metrics."""
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.peer import parse_config
+
+    argv = ["--role", cls.role, "--run-id", "r", "--initial-peers", UNSTARTED_BOOTSTRAP, *flags]
+    if cls.role == "inference":  # named, never read: the peer is not started
+        argv += ["--trusted-trainers", "trainers-of-an-unstarted-peer"]
+    if metrics_dir is not None:
+        argv += ["--metrics-dir", str(metrics_dir)]
+    config = parse_config(argv, environ={})
+    if settings:
+        config = config.model_copy(update=settings)
+    return cls(config, identity=load_or_create_identity(None))

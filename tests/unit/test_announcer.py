@@ -6,19 +6,21 @@ import threading
 import types
 
 from echo_p2p.roles.base import BasePeer
-from echo_p2p.roles.watchdog import Watchdog
+from tests.unit.conftest import unstarted_peer
+
+
+class Peer(BasePeer):
+    """What every peer does, with no role's own work."""
+
+    role = "inference"
+
+
+def base_peer(**settings) -> Peer:
+    return unstarted_peer(Peer, **settings)
 
 
 def test_announcer_keeps_announcing_after_base_exceptions_from_the_dht():
-    peer = BasePeer.__new__(BasePeer)
-    peer.stop_event = threading.Event()
-    peer.config = types.SimpleNamespace(heartbeat_period=0.01, metrics_period=3600.0, record_ttl=1.0)
-    peer.trust = None
-    peer._signed_run_record = None
-    peer.policy_version = None
-    peer.identity = types.SimpleNamespace(peer_id="QmTest")
-    peer.role = "inference"
-    peer.watchdog = Watchdog()
+    peer = base_peer(heartbeat_period=0.01, metrics_period=3600.0, record_ttl=1.0)
     failures = [GeneratorExit(), RuntimeError("dht down"), __import__("asyncio").CancelledError()]
     calls = []
 
@@ -41,14 +43,7 @@ def test_announcer_keeps_announcing_after_base_exceptions_from_the_dht():
 def test_the_record_is_announced_every_heartbeat_while_other_heartbeat_work_hangs():
     """A DHT store of the run record or the role's bans that takes long must not let the peer's own record
     (3 heartbeats' life) lapse: a trainer went missing from ``swarm status`` under CI load that way."""
-    peer = BasePeer.__new__(BasePeer)
-    peer.stop_event = threading.Event()
-    peer.config = types.SimpleNamespace(heartbeat_period=0.02, metrics_period=3600.0, record_ttl=0.06)
-    peer.trust = None
-    peer._signed_run_record = None
-    peer.identity = types.SimpleNamespace(peer_id="QmTest")
-    peer.role = "trainer"
-    peer.watchdog = Watchdog()
+    peer = base_peer(heartbeat_period=0.02, metrics_period=3600.0, record_ttl=0.06)
     stuck = threading.Event()
     announced = []
     peer.announce = lambda *_a, **_k: announced.append(1) or True
@@ -75,17 +70,14 @@ def test_an_empty_dht_routing_table_is_refilled_at_most_every_few_seconds_and_be
 ):
     import echo_p2p.roles.base as base
 
-    peer = BasePeer.__new__(BasePeer)
-    peer.dht = object()
-    peer.config = types.SimpleNamespace(
-        network=types.SimpleNamespace(request_timeout=1.0, initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"])
+    peer = base_peer()
+    boot = "/ip4/127.0.0.1/tcp/1/p2p/QmBoot"
+    peer.config = peer.config.model_copy(
+        update={"network": peer.config.network.model_copy(update={"initial_peers": [boot]})}
     )
+    peer.dht = object()
     peer._remembered = ["/ip4/127.0.0.1/tcp/2/p2p/QmMet"]
-    peer.peer_cache = types.SimpleNamespace(load=lambda: ["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"])
-    peer.identity = types.SimpleNamespace(peer_id="QmTest")
-    peer.role = "trainer"
-    peer.policy_version = None
-    peer.dht_rejoins, peer._next_rejoin = 0, 0.0
+    peer.peer_cache = types.SimpleNamespace(load=lambda: [boot])
     beats = []
     peer.watchdog = types.SimpleNamespace(beat=beats.append)
     table = [0]
@@ -112,12 +104,8 @@ def test_a_dht_that_does_not_answer_leaves_the_dht_signal_unbeaten_and_the_heart
     metrics line tells the stall), and the watchdog's 'dht' signal must not beat."""
     import echo_p2p.roles.base as base
 
-    peer = BasePeer.__new__(BasePeer)
+    peer = base_peer()
     peer.dht = object()
-    peer.config = types.SimpleNamespace(network=types.SimpleNamespace(request_timeout=0.1, initial_peers=[]))
-    peer.identity = types.SimpleNamespace(peer_id="QmTest")
-    peer.role = "inference"
-    peer.policy_version = None
     beats = []
     peer.watchdog = types.SimpleNamespace(beat=beats.append)
 

@@ -4,7 +4,7 @@ the swarm had): one sender until the ingest sees more, then the senders it accep
 from __future__ import annotations
 
 from echo_p2p.config import TrainerSection
-from echo_p2p.roles.trainer_intake import async_buffer_capacity
+from echo_p2p.roles.trainer.intake import async_buffer_capacity
 from echo_p2p.train.buffer import recommended_capacity
 from echo_p2p.transport.rollouts.config import PusherConfig
 from tests.unit.transport.test_useless_help import make_servicer, mixed, payloads

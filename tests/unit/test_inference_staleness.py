@@ -7,6 +7,7 @@ import time
 
 from echo_p2p.config import InferenceSection
 from echo_p2p.roles.inference import InferencePeer
+from tests.unit.conftest import unstarted_peer
 
 
 class FakeFetcher:
@@ -20,16 +21,10 @@ class FakeFetcher:
 def peer(
     version: int | None, floor: int | None, stale_wait: float = 5.0, useful: int | None = None
 ) -> InferencePeer:
-    p = InferencePeer.__new__(InferencePeer)
-    p.section = InferenceSection(stale_wait=stale_wait)
+    p = unstarted_peer(InferencePeer, inference=InferenceSection(stale_wait=stale_wait))
     p.pusher = type("P", (), {"stale_floor": floor, "useful_floor": lambda self: useful})()
     p.fetcher = FakeFetcher()
     p.policy_version = version
-    p.stop_event = threading.Event()
-    p._new_version = threading.Condition()
-    p.stale_waits = 0
-    p.weights_wait_seconds = 0.0
-    p._newest_known = None
     return p
 
 

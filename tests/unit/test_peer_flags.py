@@ -160,7 +160,7 @@ def test_a_peer_sampling_otherwise_than_the_run_record_says_does_not_take_part(t
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.run_record import RunRecord
     from echo_p2p.roles.inference import InferencePeer
-    from echo_p2p.roles.trainer import TrainerPeer
+    from echo_p2p.roles.trainer.peer import TrainerPeer
 
     owner = load_or_create_identity(None)
     base = ["--run-id", "r", "--initial-peers", MADDR, "--trusted-trainers", str(tmp_path / "t")]

@@ -6,7 +6,7 @@ Three checks, from the strongest to the broadest:
   reaches the AdamW inside a trainer peer's ``hivemind.Optimizer`` and the co-located loop's AdamW; every
   ``GRPOConfig`` field is read by the ``Learner`` during a step; every ``CollabOptimizerConfig`` field is
   read by ``make_collab_optimizer``; every run or trainer setting a trainer derives its loss settings from
-  changes them (``roles.trainer.trainer_derived_settings``);
+  changes them (``roles.trainer.peer.trainer_derived_settings``);
 - every field of every config model of a peer (``PeerConfig``, recursively), of the co-located loop and of
   a bootstrap, statically: its name is read as an attribute (or named in a ``getattr`` / ``model_dump``
   string) somewhere in ``echo_p2p`` outside the class that defines it. That cannot tell two readers apart
@@ -136,7 +136,7 @@ def test_every_grpo_setting_is_read_by_the_learner_in_a_step(tiny_model, random_
 )
 def test_each_setting_a_trainer_derives_its_loss_settings_from_changes_them(dotted, value, derived):
     from echo_p2p.config import set_dotted
-    from echo_p2p.roles.trainer import trainer_derived_settings
+    from echo_p2p.roles.trainer.peer import trainer_derived_settings
 
     class Tokenizer:
         pad_token_id = 3

@@ -198,18 +198,21 @@ def test_peer_stalled_is_silent_without_a_stall_and_for_a_peer_that_is_leaving()
 
 
 # ---- the roles' due predicates: progress is expected only when it can happen -----------------------------
-def test_a_trainer_is_due_to_step_while_it_holds_a_batch_and_a_stuck_step_stalls():
-    from echo_p2p.config import TrainerSection
-    from echo_p2p.roles.trainer import TrainerPeer
+def test_a_trainer_is_due_to_step_while_it_holds_a_batch_and_a_stuck_step_stalls(tmp_path):
+    from echo_p2p.roles.trainer.intake import AsyncIntake
+    from echo_p2p.roles.trainer.peer import TrainerPeer
+    from echo_p2p.train.buffer import ReplayBuffer
+    from tests.unit.conftest import make_group, unstarted_peer
 
-    t = TrainerPeer.__new__(TrainerPeer)
-    t.section = TrainerSection(prompts_per_step=4)
-    t._in_step = False
-    t.buffer = type("B", (), {"size": 0, "peek_size": lambda self: self.size})()
+    t = unstarted_peer(TrainerPeer, tmp_path, "--prompts-per-step", "4")
+    assert not t._training_due()  # not started: nothing to do
+    buffer = ReplayBuffer(capacity=16, max_staleness=1)
+    t.intake = AsyncIntake(buffer, t.section)
     assert not t._training_due()  # idle for want of rollouts: no stall
-    t.buffer.size = 4
+    for i in range(4):
+        buffer.add(make_group([2, 3], [[4, 2], [5]], [float(i), 0.5], rollout_id=f"r{i}"), 0)
     assert t._training_due()  # a batch is buffered: the loop must come round
-    t.buffer.size = 0
+    assert t.intake.collect(0) is not None and not t._training_due()
     t._in_step = True
     assert t._training_due()  # in a step
     clock = Clock()
@@ -220,13 +223,12 @@ def test_a_trainer_is_due_to_step_while_it_holds_a_batch_and_a_stuck_step_stalls
     assert dog.check() == ["training"]
 
 
-def test_an_inference_peer_is_due_to_apply_a_version_a_trainer_reported_and_to_sample_with_room():
+def test_an_inference_peer_is_due_to_apply_a_version_a_trainer_reported_and_to_sample_with_room(tmp_path):
     from echo_p2p.roles.inference import InferencePeer
+    from tests.unit.conftest import unstarted_peer
 
-    p = InferencePeer.__new__(InferencePeer)
+    p = unstarted_peer(InferencePeer, tmp_path)
     p.policy_version = 5
-    p._newest_known = None
-    p.stop_event = threading.Event()
     p.fetcher = type("F", (), {"nudge": lambda self: None})()
     p.pusher = type("P", (), {"full": False, "outbox_full": lambda self: self.full})()
     assert not p._version_due()

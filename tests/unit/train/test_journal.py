@@ -9,7 +9,7 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
-from echo_p2p.roles.trainer_intake import AsyncIntake, open_journal
+from echo_p2p.roles.trainer.intake import AsyncIntake, open_journal
 from echo_p2p.train.buffer import AddResult, ReplayBuffer
 from echo_p2p.train.journal import JOURNAL_NAME, IntakeJournal
 from tests.unit.conftest import make_group

@@ -2,9 +2,8 @@
 
 Owned here: ``CatchUp``, the trainer peer's policy for catching up while idle (``SyncedOptimizer.catch_up``
 through ``CollabTrainerStep``) and for going on alone after the version it is behind was orphaned (its
-publisher left while this trainer was behind; ``trainer_weights.orphaned_version``). Kept apart from
-``trainer.py``, which wires the role's parts together. Caller: ``TrainerPeer.work``. See docs/protocol.md
-(catch-up).
+publisher left while this trainer was behind; ``orphaned_version``, pure). Caller: ``TrainerPeer.work``.
+See docs/protocol.md (catch-up).
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-
-from echo_p2p.roles.trainer_weights import orphaned_version
 
 logger = logging.getLogger(__name__)
 
@@ -103,3 +100,25 @@ class CatchUp:
                 self.prefix, target - 1, before, target,
             )  # fmt: skip
             self.reached(target)
+
+
+def orphaned_version(peer_id: str, version: int, records, policies, trust) -> int | None:
+    """The version a trainer behind the run should hold from now on when nobody can give it the run's state,
+    else None.
+
+    Behind: a trusted trainer published a version above ``version`` (``policies``: ``PolicyRecord``s; inference
+    peers sample with it, and this trainer refuses their rollouts as ``future_version``). Nobody can give it
+    the state: no running trusted trainer other than ``peer_id`` announces (``records``) a version above
+    ``version``, and the publisher of the newest version has no running record any more — the one ahead
+    left (SIGKILLed while this one was behind; its record expired). Then the trainer goes on from its
+    own weights as the version *after* the newest published one: a number never published with other
+    weights, which inference peers take as newer, and their rollouts of the old version stay usable."""
+    trusted = lambda p: trust is None or trust.is_trusted(p)  # noqa: E731
+    newest = max((r for r in policies if trusted(r.peer_id)), key=lambda r: r.version, default=None)
+    if newest is None or newest.version <= version:
+        return None
+    for r in records:
+        if r.role == "trainer" and r.state == "running" and r.peer_id != peer_id and trusted(r.peer_id):
+            if r.peer_id == newest.peer_id or (r.policy_version or 0) > version:
+                return None  # it is alive (its record may only be a heartbeat old): catching up will do
+    return newest.version + 1

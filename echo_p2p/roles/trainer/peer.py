@@ -1,12 +1,13 @@
-"""The trainer peer: ingests rollouts, trains with GRPO, averages with other trainers, publishes versions.
+"""The trainer peer: its life cycle and training loop.
 
-Owned here: wiring the training layer to the network for one trainer — the policy and ``Learner``,
-``hivemind.Optimizer`` across trainers (its epoch is the policy version), the validated ingest servicer and
-replay buffer (async mode) or the sample client (sync mode), the weight publisher, checkpoints, and the
-trainer's metrics. Exactly one trainer publishes at a time (the running trainer with the smallest peer id,
-so that inference peers see one consistent manifest per version); the others take over when it leaves.
-The publisher also scores its versions on the task's held-out prompts between two steps
-(``train.evaluation``: ``eval_*`` metrics lines, ``eval/`` tracker tags, its peer record's ``eval_*``).
+Owned here: ``TrainerPeer`` — start (the policy and ``Learner``, ``hivemind.Optimizer`` across trainers,
+whose epoch is the policy version; the intake from ``assembly.build_intake``; the weight publisher and
+checkpoints), the loop (a batch from the intake, a step, the version reached, publish), the heartbeat's
+publisher election (``election``), the trainer's record fields and metrics, and shutdown. Exactly one
+trainer publishes at a time (``election.elect_publisher``), on the schedule of ``publishing``; a trainer
+behind the others catches up (``catchup``). The publisher also scores its versions on the task's held-out
+prompts between two steps (``train.evaluation``: ``eval_*`` metrics lines, ``eval/`` tracker tags, its peer
+record's ``eval_*``). ``trainer_derived_settings``: what the loss takes from the run, not from a setting.
 """
 
 from __future__ import annotations
@@ -19,15 +20,11 @@ import time
 from collections import Counter
 from typing import Any
 
+from echo_p2p.metrics import peak_rss_mib
 from echo_p2p.roles.base import BasePeer
-from echo_p2p.roles.trainer_catchup import CatchUp
-from echo_p2p.roles.trainer_weights import (
-    elect_publisher,
-    params_finite,
-    peak_rss_mib,
-    reload_last_good,
-    start_on_serving_grid,
-)
+from echo_p2p.roles.trainer.catchup import CatchUp
+from echo_p2p.roles.trainer.election import elect_publisher
+from echo_p2p.roles.trainer.weights import params_finite, reload_last_good, start_on_serving_grid
 from echo_p2p.train.config import DerivedSettings
 from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
 
@@ -56,37 +53,28 @@ class TrainerPeer(BasePeer):
     def __init__(self, config, identity=None):
         super().__init__(config, identity)
         self.section = config.trainer
-        self.free_buffer_room = 0
-        self.accepts_rollouts = False
         self.steps = 0
         self.rollouts_consumed = 0
         self.skipped_batches = 0  # batches dropped for a non-finite loss or gradient
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
-        self.versions_published = 0
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
-        self.publish_seconds = 0.0
         self.reward_history: list[tuple[float, int, float]] = []  # (time, version, mean reward)
-        self.buffer = None  # the replay buffer (async mode), built in on_start
-        self.pacer = None  # train.pacing.Pacer: what inference peers are asked to sample (async mode)
         self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
         self._work_started = time.monotonic()
-        self._published_version: int | None = None
-        self._publishing = None  # the background publish in flight (async mode), a Future
-        self._published_at = -float("inf")  # monotonic time of the last publish
         self._stepper = None
-        self.catch_up = None  # roles.trainer_catchup.CatchUp, built in on_start
+        self.catch_up = None  # catchup.CatchUp, built in on_start
         self.evaluator = (
             None  # train.evaluation.Evaluator: held-out figures (the publisher), built in on_start
         )
         self.optimizer = None
-        self.publisher = None
+        self.publisher = None  # transport.weights.publisher.WeightPublisher, started in on_start
+        self.publishing = None  # publishing.PublishSchedule: which versions go out, and when
         self.loop = None
-        self.ingest = None
         self.guard = None  # guard.sender_guard.SenderGuard: log-prob checks and bans
-        self.intake = None  # where batches come from: a SyncIntake or an AsyncIntake
+        self.intake = None  # where batches come from: intake.SyncIntake or intake.AsyncIntake
         self.checkpoints = None
         self._policy_files: dict[str, bytes] | None = None  # attached to every checkpoint (export)
         self._stopping = threading.Event()
@@ -98,18 +86,16 @@ class TrainerPeer(BasePeer):
         import torch
 
         from echo_p2p.collab.optimizer import CollabTrainerStep, make_collab_optimizer
-        from echo_p2p.guard.rollout_checks import IngestConfig, IngestValidator
-        from echo_p2p.guard.sender_guard import SenderGuard
         from echo_p2p.ml.engine import TransformersEngine
         from echo_p2p.ml.models import load_policy
+        from echo_p2p.roles.trainer.assembly import build_intake
+        from echo_p2p.roles.trainer.publishing import PublishSchedule
         from echo_p2p.tasks.registry import build_task
-        from echo_p2p.train.buffer import ReplayBuffer
         from echo_p2p.train.checkpoint import CheckpointManager
         from echo_p2p.train.evaluation import Evaluator
         from echo_p2p.train.learner import Learner
         from echo_p2p.train.reference import reference_policy
         from echo_p2p.transport.p2p_loop import P2PLoop
-        from echo_p2p.transport.rollouts.config import rollout_namespace
         from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublisher
 
         run, section = self.config.run, self.section
@@ -182,77 +168,27 @@ class TrainerPeer(BasePeer):
         self.publisher = WeightPublisher(
             self.dht, self.identity, self.keys, PublisherConfig(encoding=section.encoding), reach=self.reach
         ).start()
-        self.loop = P2PLoop.from_dht(self.dht)
-        namespace = rollout_namespace(self.keys)
-        vocab = len(self.tokenizer)
-        self.validator = IngestValidator(
-            {self.task.name: self.task},
-            self.tokenizer,
-            IngestConfig(
-                vocab_size=vocab,
-                group_size=run.group_size,
-                max_prompt_tokens=section.max_prompt_tokens,
-                max_completion_tokens=run.max_new_tokens,
-                max_staleness=section.max_staleness if self.config.mode == "async" else 0,
-                reward_tolerance=section.reward_tolerance,
-                use_chat_template=run.model.use_chat_template,
-                sampling=run.sampling(),
-                precisions=run.sampler_precisions,
-            ),
+        self.publishing = PublishSchedule(
+            self.publisher,
+            in_background=self.config.mode == "async",
+            interval=section.publish_interval,
+            prefix=self.prefix(),
         )
-        if self.config.mode == "async":
-            from echo_p2p.roles.trainer_intake import AsyncIntake, async_buffer_capacity, open_journal
-            from echo_p2p.rollout import RolloutGroup
-            from echo_p2p.transport.rollouts.ingest import RolloutIngestServicer
-
-            # sized for one sender until the ingest sees more (``on_heartbeat`` resizes it)
-            capacity = async_buffer_capacity(section, senders=0)
-            self.buffer = ReplayBuffer(capacity, section.max_staleness, order=section.buffer_order)
-            # a group within this trainer's shape limits takes at most this many bytes: bigger ones are
-            # refused from their frame header, never parsed (3.1 M token ids fitted the fixed 3 MiB cap)
-            shape_bound = RolloutGroup.max_wire_bytes(
-                section.max_prompt_tokens, run.group_size, run.max_new_tokens or self.task.max_new_tokens
-            )
-            ingest_config = section.ingest_server.model_copy(
-                update={"max_group_bytes": min(section.ingest_server.max_group_bytes, shape_bound)}
-            )
-            self.guard = SenderGuard(
-                section.reputation, self.peer_id, self.buffer, self.trust, section.sampling_check
-            )
-            self.intake = AsyncIntake(self.buffer, section, open_journal(section), self.prefix())
-            self.intake.recover(self.policy_version or 0)
-            from echo_p2p.train.pacing import Pacer
-
-            self.pacer = (
-                Pacer(section.pacing, section.prompts_per_step, section.max_staleness)
-                if section.pacing.enabled
-                else None
-            )
-            self.ingest = RolloutIngestServicer(
-                lambda group: self.validator.validate(group, self.policy_version or 0),
-                self.buffer,
-                ingest_config,
-                current_version=lambda: self.policy_version or 0,
-                is_banned=self.guard.is_banned,
-                pacer=self.pacer,
-            )
-            self.loop.add_servicer(self.ingest, namespace)
-            self.accepts_rollouts = True
-            self.free_buffer_room = self.buffer.free_room()
-        else:
-            from echo_p2p.roles.trainer_intake import SyncIntake
-            from echo_p2p.transport.rollouts.pull import SampleClient
-
-            self.buffer = None
-            self.guard = SenderGuard(
-                section.reputation, self.peer_id, None, self.trust, section.sampling_check
-            )
-            client = SampleClient(
-                self.loop, self.directory, section.sample_client, namespace, is_banned=self.guard.is_banned
-            )
-            self.intake = SyncIntake(
-                client, self.validator, self.task, self.config, self.stop_event, self.prefix()
-            )
+        self.loop = P2PLoop.from_dht(self.dht)
+        parts = build_intake(
+            self.config,
+            self.task,
+            self.tokenizer,
+            peer_id=self.peer_id,
+            version=lambda: self.policy_version or 0,
+            loop=self.loop,
+            directory=self.directory,
+            keys=self.keys,
+            trust=self.trust,
+            stop_event=self.stop_event,
+            prefix=self.prefix(),
+        )
+        self.intake, self.guard = parts.intake, parts.guard
         self.catch_up = CatchUp(
             self.peer_id,
             self._stepper,
@@ -260,7 +196,7 @@ class TrainerPeer(BasePeer):
             self.guard.drift,
             self.directory,
             self.trust,
-            lambda: self.ingest.totals.rejected["future_version"] if self.ingest is not None else 0,
+            self.intake.future_refused,
             self.prefix(),
         )
         if not self.trust.configured:
@@ -290,8 +226,6 @@ class TrainerPeer(BasePeer):
                 break
             t0 = time.monotonic()
             batch = self.intake.collect(self.policy_version or 0)
-            if self.buffer is not None:
-                self.free_buffer_room = self.buffer.free_room()
             self.idle_seconds += time.monotonic() - t0
             if batch is None:
                 self.watchdog.beat("training")  # the loop came round: it looked and found no batch
@@ -312,12 +246,12 @@ class TrainerPeer(BasePeer):
 
     def _training_due(self) -> bool:
         """The watchdog's ``training`` signal is due while this trainer holds a batch (in a step) or its
-        buffer holds one (async): a loop turn that takes longer than the deadline then is a stall.
+        intake holds one (async: buffered): a loop turn that takes longer than the deadline then is a stall.
         Idle for want of rollouts is no stall."""
         if self._in_step:
             return True
-        buffer = self.buffer
-        return buffer is not None and buffer.peek_size() >= self.section.prompts_per_step
+        intake = self.intake
+        return intake is not None and intake.batch_due()
 
     def _maybe_evaluate(self) -> None:
         """The publisher scores the version it holds on the held-out prompts when one is due (between two
@@ -430,10 +364,7 @@ class TrainerPeer(BasePeer):
     def on_heartbeat(self) -> None:
         self._update_publisher_role()
         self.guard.share(self.directory, self.config.record_ttl)
-        if self.ingest is not None:  # async: room for the pushes of the senders it sees
-            from echo_p2p.roles.trainer_intake import async_buffer_capacity
-
-            self.buffer.resize(async_buffer_capacity(self.section, self.ingest.active_senders()))
+        self.intake.on_heartbeat()  # async: room for the pushes of the senders it sees
 
     def _update_publisher_role(self, log: bool = False) -> None:
         """Re-elect the publisher from the directory (on the heartbeat, not on every training step)."""
@@ -445,38 +376,12 @@ class TrainerPeer(BasePeer):
             )
 
     def _maybe_publish(self) -> None:
-        """Publish the held version if this trainer is the publisher and has not published it yet.
-
-        Sync mode publishes in line: the next batch is asked for at this version. Async mode snapshots the
-        weights and encodes, signs and announces them in the publisher's worker thread while training
-        goes on; while one publish is in flight newer versions wait, and only the newest goes out next.
-        """
+        """Publish the held version if this trainer is the publisher (``PublishSchedule.maybe``)."""
+        if not self.is_publisher:
+            return
         from echo_p2p.weights.model_io import named_tensors
 
-        version = self.policy_version or 0
-        if not self.is_publisher or self._published_version == version:
-            return
-        t0 = time.monotonic()
-        if self.config.mode == "sync":
-            self.publisher.publish(named_tensors(self.model), version)
-        else:
-            if t0 - self._published_at < self.section.publish_interval:
-                return
-            if self._publishing is not None:
-                if not self._publishing.done():
-                    return
-                self._publish_done()
-            self._publishing = self.publisher.publish_in_background(named_tensors(self.model), version)
-        self.publish_seconds += time.monotonic() - t0
-        self._published_version = version
-        self._published_at = t0
-        self.versions_published += 1
-
-    def _publish_done(self) -> None:
-        future, self._publishing = self._publishing, None
-        exc = future.exception() if future is not None else None
-        if exc is not None:
-            logger.error("%s publishing a version failed: %r", self.prefix(), exc)
+        self.publishing.maybe(self.policy_version or 0, lambda: named_tensors(self.model))
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         if self.checkpoints is None:
@@ -508,11 +413,12 @@ class TrainerPeer(BasePeer):
     def role_fields(self) -> dict[str, Any]:
         elapsed = max(1e-9, time.monotonic() - self._work_started)
         recent = [reward for _, _, reward in self.reward_history[-10:]]
+        intake = self.intake
         return {
-            "free_buffer_room": self.free_buffer_room,
-            "accepts_rollouts": self.accepts_rollouts,
+            "free_buffer_room": intake.free_room() if intake is not None else 0,
+            "accepts_rollouts": intake is not None and intake.accepts_rollouts,
             "rollouts_per_second": round(self.rollouts_consumed / elapsed, 3) if self.steps else None,
-            "buffered_groups": len(self.buffer) if self.buffer is not None else None,
+            "buffered_groups": intake.buffered() if intake is not None else None,
             "max_staleness": self.section.max_staleness,
             "rollouts_consumed": self.rollouts_consumed,
             "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
@@ -534,14 +440,14 @@ class TrainerPeer(BasePeer):
             "rollouts_consumed": self.rollouts_consumed,
             "idle_fraction": round(self.idle_seconds / elapsed, 4),
             "idle_s_total": round(self.idle_seconds, 3),
-            "publish_s_total": round(self.publish_seconds, 3),
+            "publish_s_total": round(self.publishing.seconds, 3) if self.publishing is not None else 0.0,
             "update_s_total": round(self.update_seconds, 3),
             "publisher": self.is_publisher,
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
             "catch_ups": self.catch_up.downloads if self.catch_up is not None else 0,
             "went_on_alone": self.catch_up.went_on_alone if self.catch_up is not None else 0,
-            "versions_published": self.versions_published,
+            "versions_published": self.publishing.published if self.publishing is not None else 0,
             "peak_rss_mib": peak_rss_mib(),
             "evaluations": self.evaluator.evaluations if self.evaluator is not None else 0,
             "eval_s_total": round(self.evaluator.seconds_total, 3) if self.evaluator is not None else 0.0,
@@ -549,26 +455,10 @@ class TrainerPeer(BasePeer):
         if self.publisher is not None:  # what this trainer's uplink carried of the versions it published
             uploaded = self.publisher.servicer.stats.bytes_served
             out["bytes_uploaded"] = uploaded
-            out["bytes_uploaded_per_version"] = round(uploaded / max(1, self.versions_published))
-        if self.buffer is not None:
-            stats = self.buffer.stats().as_dict()
-            out["buffer"] = {
-                k: stats[k] for k in ("size", "free_room", "dropped_stale", "evicted", "duplicates")
-            }
-            out["dropped_stale"] = stats["dropped_stale"]
-        if self.pacer is not None:
-            out["pacing"] = self.pacer.stats()
+            out["bytes_uploaded_per_version"] = round(uploaded / max(1, out["versions_published"]))
         if self.guard is not None:
             out["senders"] = self.guard.stats()
-        if self.ingest is not None:
-            ingest = self.ingest.stats()
-            out["rejected"] = dict(ingest.get("rejected", {}))
-            # the reward of what samplers send, useless groups included (reward_mean is that of what is
-            # trained on, biased low once the policy is mostly right: its all-right groups are dropped)
-            out["received_reward_mean"] = ingest.get("received_reward_mean")
-        elif self.intake is not None and self.intake.rejected:
-            out["rejected"] = dict(self.intake.rejected)
-        if self.intake is not None:
+        if self.intake is not None:  # the buffer, pacing, refusals and journal (async), refusals (sync)
             out.update(self.intake.figures())
         return out
 
@@ -584,7 +474,6 @@ class TrainerPeer(BasePeer):
             except Exception:
                 logger.exception("%s final checkpoint failed", self.prefix())
         for name, closer in (
-            ("ingest", lambda: self.ingest and self.ingest.shutdown()),
             ("intake", lambda: self.intake and self.intake.close()),
             ("loop", lambda: self.loop and self.loop.shutdown()),
             ("publisher", lambda: self.publisher and self.publisher.shutdown()),

@@ -1,4 +1,5 @@
-"""A trainer whose weights went non-finite reloads its last good state, or says it has none."""
+"""A trainer's own weights: a fresh run starts on its receivers' grid; weights gone non-finite are reloaded
+from the last good state, or the trainer says it has none."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import math
 
 import torch
 
-from echo_p2p.roles.trainer_weights import params_finite, reload_last_good
+from echo_p2p.config import TrainerSection
+from echo_p2p.roles.trainer.weights import params_finite, reload_last_good, start_on_serving_grid
 from echo_p2p.train.checkpoint import CheckpointManager
 
 
@@ -51,3 +53,21 @@ def test_reload_from_the_other_trainers_and_none_when_nobody_has_a_good_state(tm
     assert params_finite(model)
     poison(model)
     assert reload_last_good(model, NoPeers(), CheckpointManager(tmp_path / "empty")) is None
+
+
+def test_a_fresh_trainer_starts_on_the_grid_its_receivers_hold():
+    torch.manual_seed(0)
+    for encoding, dtype in (("auto", torch.bfloat16), ("patch", torch.bfloat16), ("fp16", torch.float16)):
+        model = torch.nn.Linear(2, 2)
+        section = TrainerSection(encoding={"encoding": encoding, "serving_dtype": "bf16"})
+        before = [p.detach().clone() for p in model.parameters()]
+        assert start_on_serving_grid(model, section.encoding) > 0
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert p.dtype == torch.float32
+            assert torch.equal(p, p.to(dtype).float())  # the receivers' cast is exact at version 0
+            assert torch.equal(p, b.to(dtype).float())  # round to nearest, nothing else
+    model = torch.nn.Linear(2, 2)
+    section = TrainerSection(encoding={"encoding": "int8-delta"})  # fp32 receivers: left alone
+    before = [p.detach().clone() for p in model.parameters()]
+    assert start_on_serving_grid(model, section.encoding) == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

@@ -2,11 +2,14 @@
 
 Owned here: ``SyncIntake`` — pick the step's prompts, ask inference peers to sample them at the trainer's
 policy version (``transport.rollouts.pull.SampleClient``), validate every group as it arrives and count the
-refusals — and ``AsyncIntake`` — batches from the replay buffer that the ingest servicer fills, and the
-journal of acknowledged groups (``train.journal``): a group is settled once a version it was used for is
-reached, and a trainer restarted with ``--resume`` puts the unsettled ones back in its buffer;
-``async_buffer_capacity``, the buffer's size for the inference peers that push to the trainer.
-Called by ``roles.trainer``: ``collect(version)`` once per step in both modes.
+refusals — and ``AsyncIntake``, which owns the async path's parts: the replay buffer, the ingest servicer
+that fills it, the pacer that says what to sample, and the journal of acknowledged groups
+(``train.journal``: a group is settled once a version it was used for is reached, and a trainer restarted
+with ``--resume`` puts the unsettled ones back in its buffer); ``async_buffer_capacity``, the buffer's size
+for the inference peers that push to the trainer. Both answer the same calls, so the trainer peer never asks
+which mode it is in: ``collect(version)`` once per step, ``used``/``discarded``/``reached`` after it,
+``on_heartbeat``, ``figures`` and ``close``. Built by ``assembly.build_intake``; called by
+``peer.TrainerPeer``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 class SyncIntake:
     """Collects one on-policy batch per call (see the module doc)."""
+
+    accepts_rollouts = False  # nothing is pushed to a sync trainer: it asks for what it trains on
 
     def __init__(
         self,
@@ -100,8 +105,26 @@ class SyncIntake:
     def reached(self, version: int) -> None:
         pass
 
+    def recover(self, version: int) -> None:
+        pass
+
+    def free_room(self) -> int:
+        return 0
+
+    def batch_due(self) -> bool:
+        return False  # a batch is asked for, never waiting
+
+    def buffered(self) -> int | None:
+        return None
+
+    def future_refused(self) -> int:
+        return 0  # a sync batch is sampled at the trainer's version: none is ahead of it
+
+    def on_heartbeat(self) -> None:
+        pass
+
     def figures(self) -> dict[str, Any]:
-        return {}
+        return {"rejected": dict(self.rejected)} if self.rejected else {}
 
     def close(self) -> None:
         pass
@@ -134,18 +157,33 @@ def open_journal(section: Any) -> Any:
 
 
 class AsyncIntake:
-    """Async mode: one batch per call from the replay buffer, and the intake journal (see the module doc).
+    """Async mode: one batch per call from the replay buffer, and the parts that fill it (see the module doc).
 
     :param buffer: the ``ReplayBuffer`` the ingest servicer adds to (with ``journal`` as its journal, if any)
     :param section: the trainer's config section (``prompts_per_step``, ``max_staleness``)
     :param journal: an ``IntakeJournal`` or None
+    :param ingest: the ``RolloutIngestServicer`` that adds pushed groups to ``buffer`` (None: groups are added
+        by the caller, as in tests); ``on_heartbeat`` sizes the buffer for its active senders, ``close`` stops it
+    :param pacer: the ``Pacer`` the ingest grants with, or None (pacing off)
     """
 
-    def __init__(self, buffer: Any, section: Any, journal: Any = None, prefix: str = "") -> None:
+    accepts_rollouts = True
+
+    def __init__(
+        self,
+        buffer: Any,
+        section: Any,
+        journal: Any = None,
+        prefix: str = "",
+        ingest: Any = None,
+        pacer: Any = None,
+    ) -> None:
         self.buffer = buffer
         self.section = section
         self.journal = journal
         self.prefix = prefix
+        self.ingest = ingest
+        self.pacer = pacer
         self.rejected: Counter[str] = Counter()  # the ingest servicer counts async refusals
         self.recovered = 0  # groups read back from the journal and buffered again
         self.recovered_stale = 0  # groups read back from the journal, too stale by then
@@ -209,18 +247,53 @@ class AsyncIntake:
                 version,
             )
 
+    def free_room(self) -> int:
+        return self.buffer.free_room()
+
+    def batch_due(self) -> bool:
+        """A whole batch is buffered: the loop must come round to take it (the watchdog's due predicate)."""
+        return self.buffer.peek_size() >= self.section.prompts_per_step
+
+    def buffered(self) -> int | None:
+        return len(self.buffer)
+
+    def future_refused(self) -> int:
+        """Pushes refused so far as ``future_version`` (sampled at a version this trainer has not reached)."""
+        return self.ingest.totals.rejected["future_version"] if self.ingest is not None else 0
+
+    def on_heartbeat(self) -> None:
+        """Room in the buffer for the pushes of the senders the ingest sees now (``async_buffer_capacity``)."""
+        if self.ingest is not None:
+            self.buffer.resize(async_buffer_capacity(self.section, self.ingest.active_senders()))
+
     def figures(self) -> dict[str, Any]:
-        if self.journal is None:
-            return {}
-        return {
-            "journal": self.journal.snapshot(),
-            "journal_recovered": self.recovered,
-            "journal_recovered_stale": self.recovered_stale,
+        stats = self.buffer.stats().as_dict()
+        out: dict[str, Any] = {
+            "buffer": {k: stats[k] for k in ("size", "free_room", "dropped_stale", "evicted", "duplicates")},
+            "dropped_stale": stats["dropped_stale"],
         }
+        if self.pacer is not None:
+            out["pacing"] = self.pacer.stats()
+        if self.ingest is not None:
+            ingest = self.ingest.stats()
+            out["rejected"] = dict(ingest.get("rejected", {}))
+            # the reward of what samplers send, useless groups included (reward_mean is that of what is
+            # trained on, biased low once the policy is mostly right: its all-right groups are dropped)
+            out["received_reward_mean"] = ingest.get("received_reward_mean")
+        if self.journal is not None:
+            out["journal"] = self.journal.snapshot()
+            out["journal_recovered"] = self.recovered
+            out["journal_recovered_stale"] = self.recovered_stale
+        return out
 
     def close(self) -> None:
-        if self.journal is not None:
-            self.journal.close()
+        """Stop taking pushes, then close the journal (what was acknowledged is on disk)."""
+        try:
+            if self.ingest is not None:
+                self.ingest.shutdown()
+        finally:
+            if self.journal is not None:
+                self.journal.close()
 
     def _settle(self, ids) -> None:
         if self.journal is not None:

@@ -1,0 +1,106 @@
+"""When the trainer publishes: every version by default, in line in sync mode, in the background in async mode
+with at most one publish in flight, no more often than ``publish_interval`` when set; a standby trainer never."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import torch
+
+from echo_p2p.roles.trainer.peer import TrainerPeer
+from echo_p2p.roles.trainer.publishing import PublishSchedule
+from tests.unit.conftest import unstarted_peer
+
+
+class FakePublisher:
+    """Records what it was handed; a background publish waits for ``release``."""
+
+    def __init__(self):
+        self.published: list[int] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def publish(self, tensors, version):
+        list(tensors)
+        self.published.append(version)
+
+    def publish_in_background(self, tensors, version):
+        list(tensors)
+        return self.pool.submit(lambda: (self.release.wait(10), self.published.append(version)))
+
+
+def tensors():
+    return iter([("w", torch.zeros(2))])
+
+
+def drain(schedule: PublishSchedule) -> None:
+    if schedule.in_flight is not None:
+        schedule.in_flight.result(timeout=10)
+
+
+def test_sync_publishes_every_version_in_line():
+    schedule = PublishSchedule(FakePublisher(), in_background=False, interval=5.0)  # the interval is async's
+    for v in range(3):
+        assert schedule.maybe(v, tensors)
+    assert not schedule.maybe(2, tensors)  # published already
+    assert schedule.publisher.published == [0, 1, 2] and schedule.published == 3
+
+
+def test_async_publishes_in_the_background_one_at_a_time_newest_next():
+    schedule = PublishSchedule(FakePublisher(), in_background=True)
+    schedule.publisher.release.clear()  # the first publish hangs until released
+    assert schedule.maybe(0, tensors)
+    taken = []
+    for v in (1, 2, 3):  # versions made while it is in flight are not queued, nor their weights read
+        assert not schedule.maybe(v, lambda v=v: taken.append(v) or tensors())
+    assert taken == []
+    schedule.publisher.release.set()
+    drain(schedule)
+    assert schedule.maybe(3, tensors)  # the idle loop or the next step sends the newest
+    drain(schedule)
+    assert schedule.publisher.published == [0, 3] and schedule.published == 2
+
+
+def test_a_failed_background_publish_is_logged_and_the_next_version_goes_out(caplog):
+    class Failing(FakePublisher):
+        def publish_in_background(self, tensors, version):
+            if version == 0:
+                return self.pool.submit(lambda: 1 / 0)
+            return super().publish_in_background(tensors, version)
+
+    schedule = PublishSchedule(Failing(), in_background=True)
+    schedule.maybe(0, tensors)
+    concurrent.futures.wait([schedule.in_flight], timeout=10)
+    assert schedule.maybe(1, tensors)
+    drain(schedule)
+    assert schedule.publisher.published == [1]
+    assert "publishing a version failed" in caplog.text
+
+
+def test_publish_interval_spaces_publishes():
+    now = [100.0]
+    schedule = PublishSchedule(FakePublisher(), in_background=True, interval=1.0, clock=lambda: now[0])
+    for step in range(10):  # ten versions in 0.9 s: one publish
+        schedule.maybe(step, tensors)
+        drain(schedule)
+        now[0] += 0.1
+    now[0] += 0.2
+    schedule.maybe(9, tensors)
+    drain(schedule)
+    assert schedule.publisher.published == [0, 9]
+
+
+def test_a_trainer_publishes_only_while_it_is_the_elected_publisher(tmp_path):
+    peer = unstarted_peer(TrainerPeer, tmp_path)
+    peer.model = torch.nn.Linear(2, 2)
+    peer.publishing = PublishSchedule(FakePublisher(), in_background=False)
+    peer.policy_version = 4
+    peer.is_publisher = False  # stands by
+    peer._maybe_publish()
+    assert peer.publishing.publisher.published == []
+    peer.is_publisher = True  # elected: the version it holds goes out
+    peer._maybe_publish()
+    assert peer.publishing.publisher.published == [4]
+    assert peer._counters()["versions_published"] == 1
