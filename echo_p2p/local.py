@@ -25,7 +25,7 @@ from pathlib import Path
 from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail, install_stop_handlers
 from echo_p2p.local_keys import bootstrap_address, make_run_record
 from echo_p2p.local_phases import phases_block
-from echo_p2p.report import Runs, print_report, progress_line, reward_reached
+from echo_p2p.report import Runs, print_report, progress_line, reward_reached, step_lines
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 #: Peer flags a model brings to a local run, before ``--peer-args`` (which override them). SmolLM2-135M
@@ -47,7 +47,7 @@ class LocalSwarmConfig:
 
     run_id: str = "local"
     trainers: int = 1
-    trainer_delay: float = 0.0  # seconds between two trainers' starts: later ones join a running run
+    trainer_delay: float = 0.0  # later trainers start this many seconds after the first step, and apart
     inference: int = 2
     mode: str = "async"
     duration: float = 60.0  # seconds; 0 = until Ctrl-C
@@ -167,6 +167,10 @@ class LocalSwarm:
         if delay and self.config.trainers > 1:  # the others join the running run, one every `delay` s
 
             def late() -> None:
+                # counted from the run's first training step, not from the launch: a late trainer joins a
+                # run that has trained (on a busy machine the first step can take longer than `delay`)
+                while not self._trained() and not self.stop_event.wait(0.5):
+                    pass
                 for i in range(1, self.config.trainers):
                     if self.stop_event.wait(delay):
                         return
@@ -209,6 +213,10 @@ class LocalSwarm:
         """The signed run record and its owner's peer id (``local_keys.make_run_record``)."""
         c = self.config
         return make_run_record(self.workdir, c.run_id, c.trainers, c.model, c.task, c.mode)
+
+    def _trained(self) -> bool:
+        """A trainer of this run took a training step (its metrics say so)."""
+        return bool(step_lines(self.workdir / "metrics"))
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
@@ -385,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainer-delay",
         type=float,
         default=d.trainer_delay,
-        help="start the trainers this many seconds apart: later ones join a running run (default 0)",
+        help="start the second trainer this many seconds after the run's first training step and the others "
+        "as far apart: they join a running run (default 0: all at once)",
     )
     parser.add_argument(
         "--inference",
