@@ -26,6 +26,11 @@ joins the run's DHT from its join address, finds the trainers in the directory a
   fetches each new version like an inference peer), lists what it holds, and serves it valid but slowly:
   each chunk 25 s after its turn (just inside the receivers' old 30 s per-chunk timeout), at 1,280 bytes/s,
   or never;
+* ``edit``: a real inference peer of the run (``--join``: it holds each policy version from the run's
+  trusted trainers, samples with it and pushes as an honest one does) that appends a two-letter marker before
+  EOS to every right answer it samples and sends the edited completions with their true rewards (re-scored by
+  the task) and their true log-probs under the policy it holds (teacher forcing): every value is true, the
+  completions are not samples. ``--metrics-dir`` keeps its metrics (its refusals by reason);
 * ``idle``: the control: joins like the push attacks (DHT node, P2P loop, reads the trainers from the
   directory every 0.5 s) and sends nothing, so that what the attacker's own processes cost a shared machine
   is measured apart from what its messages cost the run.
@@ -110,6 +115,8 @@ class Attacker:
         attack = self.args.attack
         self.keys = SwarmKeys(self.join.run_id)
         self.identity = load_or_create_identity(None)
+        if attack == "edit":
+            return self._edit()
         if attack in ("flood",):
             return self._flood()
         if attack == "tarpit":
@@ -131,6 +138,86 @@ class Attacker:
         finally:
             stop_dht(self.dht)
             self.identity.cleanup()
+
+    # ---- edited completions, every value true -------------------------------------------------------------
+    def _edit(self) -> dict:
+        from echo_p2p.peer import parse_config
+        from echo_p2p.roles.inference import InferencePeer
+
+        class EditingPeer(InferencePeer):
+            """An inference peer whose right answers get a marker before EOS (see the module doc)."""
+
+            edited = 0  # completions edited
+
+            def _sample(self, prompt_ids, n, max_new_tokens=None):
+                return [self._edit_group(g) for g in super()._sample(prompt_ids, n, max_new_tokens)]
+
+            def _edit_group(self, group):
+                import torch
+
+                from echo_p2p.ml.engine import process_logits
+                from echo_p2p.ml.tokenizer import decode_completion
+                from echo_p2p.rollout import Completion
+
+                marker = self.tokenizer.convert_tokens_to_ids(["z", "q"])
+                eos = set(self.engine.eos_token_ids)
+                comps = []
+                for comp in group.completions:
+                    ids = list(comp.token_ids)
+                    if comp.claimed_reward < 1.0 or not ids or ids[-1] not in eos:
+                        comps.append(comp)  # only right answers, which end with EOS
+                        continue
+                    ids = ids[:-1] + marker + ids[-1:]
+                    seq = torch.tensor([list(group.prompt_token_ids) + ids])
+                    with self._engine_lock, torch.inference_mode():  # the policy held, as when sampled
+                        logits = self.engine.model(input_ids=seq).logits[
+                            0, len(group.prompt_token_ids) - 1 : -1
+                        ]
+                        logps = process_logits(logits.float(), self.params).gather(
+                            1, seq[0, -len(ids) :, None]
+                        )
+                    text = decode_completion(self.tokenizer, ids)
+                    reward = self.task.score_batch([group.prompt_id], [text], completion_ids=[ids])[0]
+                    comps.append(
+                        Completion(
+                            token_ids=ids, logprobs=logps[:, 0].tolist(), claimed_reward=reward, finished=True
+                        )
+                    )
+                    self.edited += 1
+                return group.model_copy(update={"completions": comps})
+
+        argv = [
+            "--role",
+            "inference",
+            "--join",
+            self.args.join,
+            "--mode",
+            "async",
+            "--host-maddrs",
+            LOOPBACK[0],
+        ]
+        argv += ["--model", self.args.model, "--task", self.args.task, "--seed", str(self.args.seed)]
+        if self.args.metrics_dir:
+            argv += ["--metrics-dir", self.args.metrics_dir]
+        peer = EditingPeer(parse_config(argv, environ={}), identity=self.identity)
+        deadline = threading.Thread(
+            target=lambda: (self.stop.wait(self.args.duration), peer.request_stop()), daemon=True
+        )
+        try:
+            peer.start()
+            deadline.start()
+            peer.run()
+        finally:
+            peer.shutdown()
+            self.identity.cleanup()
+        pushed = peer.pusher.stats() if peer.pusher is not None else {}
+        return {
+            "peer_id": peer.peer_id,
+            "edited": peer.edited,
+            "groups_sampled": peer.groups_sampled,
+            "rejected": dict(pushed.get("rejected", {})),
+            "pushes_refused": dict(pushed.get("pushes_refused", {})),
+        }
 
     # ---- attacks on the trainers' ingest ---------------------------------------------------------------
     def _push_attack(self, attack: str) -> dict:
@@ -429,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         "--attack",
         required=True,
         choices=[
-            *("poison", "oversized", "heavy", "flood", "ghost", "idle", "sybil", "tarpit"),
+            *("poison", "oversized", "heavy", "flood", "ghost", "idle", "sybil", "tarpit", "edit"),
             *("slow-late", "slow-drip", "slow-never"),
         ],
     )
@@ -439,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="write what the attacker saw here (JSON)")
+    p.add_argument(
+        "--metrics-dir", default=None, help="edit: the editing peer's metrics (JSON lines) go here"
+    )
     p.add_argument(
         "--key-dir",
         default=None,

@@ -91,24 +91,31 @@ class SenderGuard:
     ) -> list[str]:
         """Feed each trained group's completion scores (``Learner.last_sample_scores``) to its sender's
         detector, with the group's allowance (``allowances``: a group whose allowance is unknown is not
-        judged); an alarm is a strike (``not_sampled``); returns the senders banned by it."""
+        judged); an alarm is a strike (``not_sampled``); returns the senders banned by it.
+
+        At most one strike per sender per batch: the rest of its completions in the batch are not fed once
+        its detector alarmed. Alarms within one step are not independent evidence when the policy itself
+        just moved far (an update the drift allowance underestimates): a local run whose policy was shaken
+        by an editor's groups struck each honest sampler 4-12 times within one second and banned both."""
         if self.samples is None:
             return []
-        banned = []
+        banned: list[str] = []
+        struck: set[str] = set()
         for scored, group_scores, allowance in zip(groups, scores, allowances, strict=False):
             sender = scored.group.sampler_peer_id
-            if allowance is None:
+            if allowance is None or sender in struck:
                 continue
             for score in group_scores:
                 if not self.samples.observe(sender, score, allowance):
                     continue
+                struck.add(sender)
                 self.counters["not_sampled_strikes"] += 1
                 logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
                 if self.reputation.strike(sender, "not_sampled"):
                     banned.append(sender)
                     self._drop(sender, "banned")
                     logger.warning("banned %s: its completions are not samples of the policy", sender)
-                    break
+                break
         return banned
 
     def share(self, directory, ttl: float) -> None:

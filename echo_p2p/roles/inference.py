@@ -353,6 +353,8 @@ class InferencePeer(BasePeer):
                 rollouts_acked=push["acked"],
                 rollouts_duplicates=push["duplicates"],
                 rollouts_rejected=push["rejected"],
+                pushes_refused=push["pushes_refused"],  # whole pushes refused unread, by reason (banned, ...)
+                banned_by_trainers=push["banned_by"],
                 untrusted_trainers_skipped=push["untrusted_trainers_skipped"],
                 seconds_waiting_for_room=push["seconds_waiting_for_room"],
                 seconds_paced=push["seconds_paced"],

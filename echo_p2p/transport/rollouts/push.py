@@ -128,6 +128,9 @@ class RolloutPusher:
         self._refreshed_at = -float("inf")
         self.counters: Counter[str] = Counter()  # submitted, sent, acked, duplicates, resent, failed_pushes
         self.rejected: Counter[str] = Counter()  # reason -> groups refused for good
+        #: reason -> whole pushes a trainer refused unread (``PushAck.error``: banned, rate_limited, ...)
+        self.pushes_refused: Counter[str] = Counter()
+        self.banned_by: set[str] = set()  # trainers that refused a push as banned
         self.seconds_waiting_for_room = 0.0  # submit blocked on a full outbox
         self.seconds_without_trainer = 0.0  # groups waiting and no trainer with room
         self.seconds_paced = 0.0  # reserve waited: no trainer wanted more groups
@@ -274,6 +277,8 @@ class RolloutPusher:
                 "failed_pushes": self.counters["failed_pushes"],
                 "untrusted_trainers_skipped": self.counters["untrusted_trainers_skipped"],
                 "rejected": dict(self.rejected),
+                "pushes_refused": dict(self.pushes_refused),
+                "banned_by": len(self.banned_by),
                 "outbox": self._held(),
                 "seconds_waiting_for_room": round(self.seconds_waiting_for_room, 3),
                 "seconds_without_trainer": round(self.seconds_without_trainer, 3),
@@ -325,6 +330,7 @@ class RolloutPusher:
         try:
             ack = self.loop.run(self._push(trainer, batch), timeout=self.config.push_timeout)
             if ack.error:
+                self._refused(trainer, ack.error)
                 raise RuntimeError(f"trainer refused the push: {ack.error}")
             requeue = self._settle(trainer, batch, ack)
         except Exception as exc:
@@ -342,6 +348,15 @@ class RolloutPusher:
         started = time.monotonic()
         self._stop.wait(self.config.idle_wait)
         self.seconds_without_trainer += time.monotonic() - started
+
+    def _refused(self, trainer: _Trainer, error: str) -> None:
+        """A trainer refused a whole push: counted by its reason, and a ban said out loud once per trainer (the
+        peer's work is wasted there until the ban expires)."""
+        reason = error.split(":", 1)[0].strip()[:32] or "unknown"  # the trainer's words: bounded
+        self.pushes_refused[reason] += 1
+        if reason == "banned" and trainer.peer_id not in self.banned_by:
+            self.banned_by.add(trainer.peer_id)
+            logger.warning("trainer %s banned this peer: its pushes are refused unread", trainer.peer_id)
 
     def _failed(self, trainer: _Trainer) -> None:
         self.counters["failed_pushes"] += 1

@@ -210,10 +210,14 @@ def test_the_learner_leaves_edited_completions_out_and_the_guard_strikes_and_ban
         buffer.add(group)
     guard = SenderGuard(ReputationConfig(strikes=2), "me", buffer, sampling=SamplingCheckConfig())
     learner.compute_gradients(honest + bad)
-    banned = guard.judge_samples(honest + bad, learner.last_sample_scores, [0.0] * 8)
+    # one strike per sender per batch, however many of its completions alarm (4 groups of 8 here): a
+    # burst within one step is one piece of evidence
+    assert guard.judge_samples(honest + bad, learner.last_sample_scores, [0.0] * 8) == []
+    assert guard.stats()["not_sampled_strikes"] == 1 and not guard.is_banned("editor")
+    banned = guard.judge_samples(honest + bad, learner.last_sample_scores, [0.0] * 8)  # the next step
     assert banned == ["editor"] and guard.is_banned("editor") and not guard.is_banned("honest")
     assert buffer.held_by("editor") == 0 and buffer.held_by("honest") == 1
-    assert guard.stats()["not_sampled_strikes"] >= 2
+    assert guard.stats()["not_sampled_strikes"] == 2
     assert guard.reputation.bans()["editor"][1] == "not_sampled"
     # a group whose allowance is unknown is not judged
     quiet = SenderGuard(ReputationConfig(strikes=1), "me", None, sampling=SamplingCheckConfig())

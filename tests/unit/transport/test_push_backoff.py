@@ -125,3 +125,23 @@ def test_refusals_of_one_kind_are_logged_once_per_period_with_a_count(caplog, mo
     assert len(lines) == 2, lines
     assert lines[1].endswith(f"(x 300 in the last {REFUSAL_LOG_PERIOD:.0f} s)"), lines[1]
     assert pusher.rejected[Reason.DUPLICATE_CONTENT.value] == 301  # the metrics count every one
+
+
+def test_whole_pushes_refused_are_counted_by_reason_and_a_ban_is_said_once_per_trainer(caplog):
+    pusher = RolloutPusher(loop=None, directory=None)
+    a, b = _Trainer("QmA", [], room=1, stamp=0.0), _Trainer("QmB", [], room=1, stamp=0.0)
+    for trainer, error in [
+        (a, "banned: this trainer banned the sender"),
+        (a, "banned: this trainer banned the sender"),
+        (b, "banned: this trainer banned the sender"),
+        (b, "rate_limited: beyond 100 B/s"),
+        (b, "x" * 500),  # a stranger's words are bounded
+    ]:
+        pusher._refused(trainer, error)
+    stats = pusher.stats()
+    assert stats["pushes_refused"] == {"banned": 3, "rate_limited": 1, "x" * 32: 1}
+    assert stats["banned_by"] == 2
+    assert [r.getMessage() for r in caplog.records if "banned this peer" in r.getMessage()] == [
+        "trainer QmA banned this peer: its pushes are refused unread",
+        "trainer QmB banned this peer: its pushes are refused unread",
+    ]
