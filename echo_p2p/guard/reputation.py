@@ -57,10 +57,14 @@ class ReputationConfig(BaseModel):
         le=1,
         description="Share of a sender's recent groups that must be strikes for a ban: an update can move the "
         "log-probs of a few groups (rare tokens) far more than the policy's measured movement, so an honest "
-        "sampler has the odd strike; a liar has them on most of its groups",
+        "sampler has the odd strike; a liar has them on most of its groups (the sample check: of the training "
+        "steps that judged it)",
     )
     recent_groups: int = Field(
-        default=100, ge=1, description="A sender's last groups over which ``ban_fraction`` is taken"
+        default=100,
+        ge=1,
+        description="A sender's last groups (the sample check: last training steps that judged it) over which "
+        "``ban_fraction`` is taken",
     )
     window: float = Field(default=600.0, gt=0, description="Seconds a strike counts")
     ban_seconds: float = Field(default=1800.0, gt=0, le=86400, description="How long a ban lasts")
@@ -122,10 +126,11 @@ class Reputation:
             self._bans[sender] = (now + self.config.ban_seconds, "logprob_gap")
             return True
 
-    def strike(self, sender: str, reason: str, now: float | None = None) -> bool:
+    def strike(self, sender: str, reason: str, now: float | None = None, share: float = 1.0) -> bool:
         """A strike against ``sender`` from another check than the log-prob gap (``reason``, e.g. a
         ``guard.sampling_check`` alarm, which already weighed the sender's recent completions): ``strikes``
-        of them within ``window`` ban it; True when this bans it."""
+        of them within ``window`` ban it, when ``share`` (the part of the sender's recent judgements that
+        were strikes, as the caller counts them) is at least ``ban_fraction``; True when this bans it."""
         if not sender:
             return False
         now = time.time() if now is None else now
@@ -138,6 +143,8 @@ class Reputation:
                 del self._other_strikes[next(iter(self._other_strikes))]
             if len(times) < self.config.strikes or self._banned_locked(sender, now):
                 return False
+            if share < self.config.ban_fraction:
+                return False  # a burst among mostly clean judgements: the policy moved, not the sender
             self._bans[sender] = (now + self.config.ban_seconds, reason[:32])
             return True
 

@@ -30,7 +30,9 @@ Two decisions use the tail score:
   with probability at most ``N * false_alarm_rate`` (1e-9: one in a million senders after 1,000 of its
   completions), and on average no sooner than after ``1 / false_alarm_rate`` completions (Lorden). Each alarm is a strike
   (``Reputation.strike``, reason ``not_sampled``) and resets the detector; ``strikes`` alarms within the
-  window ban the sender through the usual path.
+  window ban the sender through the usual path, at most one per training step and only when they came in
+  at least ``ban_fraction`` of the recent steps that judged it (``guard.sender_guard``: a policy shaken
+  for a few steps struck honest samplers in bursts).
 
 What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks
 like a sample; so does a completion the sender chose among honest samples (issue 32 item 2). The bounds

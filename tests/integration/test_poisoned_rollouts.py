@@ -1,10 +1,18 @@
-"""A stranger poisons a live run with made-up behaviour log-probs (real processes, the README's local run).
+"""Strangers poison a live run (real processes, the README's local run): one with made-up behaviour log-probs,
+one with edited completions whose every value is true.
 
 Before: one pushed group with behaviour log-probs of -1e30 made the next loss NaN, every later publish
 failed and the version froze for good; valid-looking groups with log-probs at the edge of what a receiver
 accepts were trained on. Now: the -1e30 group is refused at ingest (``bad_logprob``), groups whose
 log-probs are far from the trainer's are left out of the loss and make strikes, the stranger is banned
 after three, its pushes are refused unread and its buffered groups dropped, and the run keeps learning.
+
+The editor is a real inference peer of the run that appends a marker to each right answer and sends the
+edited completions with their true rewards and true log-probs (``benchmarks/attacker.py --attack edit``):
+no value check can refuse them. Before: never struck. Now: the sampling check (``guard.sampling_check``)
+finds that its completions are not samples of the policy, strikes it (``not_sampled``) and bans it; the
+honest inference peers are never banned, though the policy its groups shook strikes them too (first
+tries of this test banned both honest samplers: ``guard.sender_guard.judge_samples``).
 
 The run and the attack last until the trainer's metrics show all of that (bounded waits), not a fixed time:
 on a busy machine a fixed one could end before the trainer took its first push. The run is then stopped as
@@ -26,7 +34,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import wait_until
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 ATTACKER = Path(__file__).resolve().parents[2] / "benchmarks" / "attacker.py"
 
 
@@ -44,15 +52,16 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     metrics = workdir / "metrics"
     # --duration and the attacker's are deadlines: both are stopped once the trainer has seen it all
     local = subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.local", "--duration", "180", "--status-period", "30"]
+        [sys.executable, "-m", "echo_p2p.local", "--duration", "260", "--status-period", "30"]
         + ["--workdir", str(workdir)],
         stdout=open(tmp_path / "local.log", "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    attacker = None
+    attacker = editor = None
     started: list[psutil.Process] = []
-    report = tmp_path / "attacker.json"
+    report, edit_report = tmp_path / "attacker.json", tmp_path / "editor.json"
+    editor_metrics = tmp_path / "editor-metrics"
     try:
         wait_until(
             lambda: (workdir / "bootstrap.maddrs").exists() or local.poll() is not None, 60, what="bootstrap"
@@ -60,29 +69,41 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         record, _, _ = read_file(workdir / "run-record.bin")
         join = f"{record.run_id}:{record.owner_peer_id()}@{(workdir / 'bootstrap.maddrs').read_text().split()[0]}"
         attacker = subprocess.Popen(
-            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "170"]
+            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "230"]
             + ["--report", str(report)],
             stdout=open(tmp_path / "attacker.log", "wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        editor = subprocess.Popen(
+            [sys.executable, str(ATTACKER), "--attack", "edit", "--join", join, "--duration", "230"]
+            + ["--report", str(edit_report), "--metrics-dir", str(editor_metrics), "--seed", "7"],
+            stdout=open(tmp_path / "editor.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def editor_refused_as_banned() -> bool:
+            lines = [x for p in editor_metrics.glob("inference-*.jsonl") for x in read_metrics(str(p))]
+            return any(x.get("banned_by_trainers", 0) >= 1 for x in lines)
 
         def banned_and_learning() -> bool:
-            for name, proc in (("local", local), ("attacker", attacker)):
+            for name, proc in (("local", local), ("attacker", attacker), ("editor", editor)):
                 assert proc.poll() is None, (
                     f"{name} exited: " + (tmp_path / f"{name}.log").read_text()[-3000:]
                 )
             judged = [x for x in trainer_lines(metrics) if "senders" in x]
-            if not judged or judged[-1]["senders"]["banned"] < 1:
+            if not judged or judged[-1]["senders"]["banned"] < 2 or not editor_refused_as_banned():
                 return False
             if (judged[-1].get("rejected") or {}).get("banned", 0) < 1:
                 return False  # no push refused for the ban yet: the attacker has not been told
             summary = summarize(Runs.load(metrics))  # what summary.json will say; twice the reward margin
             return summary.steps >= 20 and summary.reward_final > summary.reward_first + 0.1
 
-        wait_until(banned_and_learning, 170, 1, "the ban and 20 steps of a rising reward")
-        attacker.send_signal(signal.SIGTERM)  # it writes its report, then exits
-        assert attacker.wait(timeout=60) == 0, (tmp_path / "attacker.log").read_text()[-3000:]
+        wait_until(banned_and_learning, 200, 1, "both bans and 20 steps of a rising reward")
+        for name, proc in (("attacker", attacker), ("editor", editor)):
+            proc.send_signal(signal.SIGTERM)  # it writes its report, then exits
+            assert proc.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         # Ctrl-C: every process the run started stops (the ctrl-c checks of the local launcher)
         started = psutil.Process(local.pid).children(recursive=True)  # with the peers' DHT children, p2pd
         names = [" ".join(p.cmdline()[1:6]) for p in psutil.Process(local.pid).children()]
@@ -91,7 +112,7 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         os.killpg(local.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
         assert local.wait(timeout=90) == 0, (tmp_path / "local.log").read_text()[-3000:]
     finally:
-        for proc in (attacker, local):
+        for proc in (attacker, editor, local):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -120,7 +141,14 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         for x in read_metrics(str(p))
         if "senders" in x
     ]
-    assert senders and senders[-1]["banned"] == 1 and senders[-1]["groups_over_gap"] >= 3, senders[-1:]
+    assert senders and senders[-1]["banned"] == 2 and senders[-1]["groups_over_gap"] >= 3, senders[-1:]
+    # the editor: struck for completions that are not samples (its values are true: no other check can
+    # fire on it), banned, its pushes refused as banned; no honest inference peer was banned
+    assert senders[-1].get("not_sampled_strikes", 0) >= 3, senders[-1]
+    edits = json.loads(edit_report.read_text())["seen"]
+    assert edits["edited"] >= 1 and edits["pushes_refused"].get("banned", 0) >= 1, edits
+    honest = [x for p in metrics.glob("inference-*.jsonl") for x in read_metrics(str(p))]
+    assert honest and not any(x.get("banned_by_trainers") for x in honest)
     # banned in the training step that judged its third made-up group: how many of its groups were
     # accepted before that depends on how long they waited in the buffer (time), not on the rule; the
     # groups waiting when it was banned were dropped

@@ -236,3 +236,34 @@ def test_strikes_from_other_checks_ban_within_the_window():
     assert rep.bans(now=3)["editor"] == (52, "not_sampled")
     for t in (0, 200, 400):  # strikes further apart than the window never add up
         assert not rep.strike("slow", "not_sampled", now=t)
+
+
+def test_a_burst_of_alarms_bans_a_sender_whose_recent_batches_were_clean_only_if_it_lasts():
+    """Alarms in a few batches after many clean ones (the trainer's policy shaken, not the sender lying) are
+    strikes but no ban; the same alarms from a sender that alarms in most of its batches (an editor) ban."""
+    from types import SimpleNamespace
+
+    class Alarms:
+        """A detector whose verdict per sender the test sets (the real one is tested above)."""
+
+        def __init__(self):
+            self.alarm: dict[str, bool] = {}
+
+        def observe(self, sender, score, drift=0.0):
+            return self.alarm.get(sender, False)
+
+    def batch(*senders):
+        groups = [SimpleNamespace(group=SimpleNamespace(sampler_peer_id=s)) for s in senders]
+        return groups, [[object(), object()] for _ in senders], [0.0] * len(senders)
+
+    guard = SenderGuard(ReputationConfig(strikes=3, recent_groups=20), "me", sampling=SamplingCheckConfig())
+    guard.samples = Alarms()
+    for _ in range(12):  # the honest sampler's clean history
+        assert guard.judge_samples(*batch("honest", "honest")) == []
+    guard.samples.alarm = {"honest": True, "editor": True}
+    banned = [guard.judge_samples(*batch("honest", "editor", "editor")) for _ in range(4)]
+    assert banned == [[], [], ["editor"], []]  # the editor at its third strike, one per batch
+    assert guard.stats()["not_sampled_strikes"] == 4 + 4 and not guard.is_banned("honest")
+    for _ in range(5):  # alarms that go on: banned once they are half of its last 20 batches (10 of 20)
+        assert guard.judge_samples(*batch("honest")) == []
+    assert guard.judge_samples(*batch("honest")) == ["honest"]
