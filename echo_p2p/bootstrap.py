@@ -35,6 +35,9 @@ class BootstrapPeer:
     """A DHT node with echo_p2p's validators; ``run()`` loops on a status period until ``request_stop``."""
 
     def __init__(self, config, monitor=None):
+        from echo_p2p.net.lean_hivemind import use_lean_hivemind
+
+        use_lean_hivemind()  # first: a bootstrap never imports torch (the DHT node runs in this process)
         from echo_p2p.net.identity import load_or_create_identity
 
         self.config = config
@@ -67,7 +70,7 @@ class BootstrapPeer:
             )
             run_ids.append(record.run_id)
         keys = [SwarmKeys(run_id) for run_id in dict.fromkeys(run_ids)]
-        self.dht = start_dht(self.config.network, self.identity, keys)
+        self.dht = start_dht(self.config.network, self.identity, keys, in_process=True)
         self._keep_run_record()
         self.maddrs = visible_maddrs(self.dht)
         if self.config.maddrs_file:

@@ -279,7 +279,7 @@ def watch(swarm: LocalSwarm) -> int:
     keys = SwarmKeys(config.run_id)
     identity = load_or_create_identity(None)
     network = NetworkConfig(initial_peers=[swarm.bootstrap_maddr], host_maddrs=[LOOPBACK])
-    dht = start_dht(network, identity, [keys], client_mode=True)
+    dht = start_dht(network, identity, [keys], client_mode=True, in_process=True)
     directory = SwarmDirectory(dht, keys, identity, request_timeout=5.0)
     monitor = None
     try:
@@ -494,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     from echo_p2p.logs import setup_logging
 
     setup_logging("WARNING")
+    from echo_p2p.net.lean_hivemind import use_lean_hivemind
+
+    use_lean_hivemind()  # no torch before the peers start: signing the run record and watching need none
     swarm = LocalSwarm(config)
     install_stop_handlers(swarm.stop_event.set)  # a second Ctrl-C kills every peer's process tree at once
     code = 0

@@ -67,6 +67,9 @@ class StatusReader:
     ``monitor.target.Target`` to read (they share their network settings); raises ``NodeStartError``."""
 
     def __init__(self, targets: dict[str, Any]):
+        from echo_p2p.net.lean_hivemind import use_lean_hivemind
+
+        use_lean_hivemind()  # before any hivemind import: reading a run's status needs no torch
         from echo_p2p.net.identity import load_or_create_identity
         from echo_p2p.net.keys import SwarmKeys
         from echo_p2p.net.node import start_dht
@@ -76,7 +79,9 @@ class StatusReader:
         self.identity = load_or_create_identity(network.identity_path)
         self.keys = {run_id: SwarmKeys(run_id) for run_id in targets}
         try:
-            self.dht = start_dht(network, self.identity, list(self.keys.values()), client_mode=True)
+            self.dht = start_dht(
+                network, self.identity, list(self.keys.values()), client_mode=True, in_process=True
+            )
         except BaseException:
             self.identity.cleanup()
             raise

@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     from echo_p2p.logs import setup_logging
 
     setup_logging("WARNING")
+    from echo_p2p.net.lean_hivemind import use_lean_hivemind
+
+    use_lean_hivemind()  # before any hivemind import: the monitor reads records, it never needs torch
     from echo_p2p.monitor.poller import Poller
     from echo_p2p.monitor.server import MonitorServer
     from echo_p2p.net.directory import SwarmDirectory
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         keys = SwarmKeys(target.run_id)
-        dht = start_dht(target.network, identity, [keys], client_mode=True)
+        dht = start_dht(target.network, identity, [keys], client_mode=True, in_process=True)
         directory = SwarmDirectory(dht, keys, identity, target.network.request_timeout)
         poller = Poller(directory, target.run_id, target.trust, config, lambda: neighbour_counts(dht)[1])
         poller.start()

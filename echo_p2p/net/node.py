@@ -69,9 +69,11 @@ def start_dht(
     run_keys: Sequence[SwarmKeys] = (),
     *,
     client_mode: bool = False,
+    in_process: bool = False,
 ):
-    """Start a ``hivemind.DHT`` in a child process; raise ``NodeStartError`` within the startup deadline."""
-    import hivemind
+    """Start a ``hivemind.DHT`` in a child process, or with ``in_process`` an ``InProcessDHT`` (a node in this
+    process: no torch, for a process that does not train); raise ``NodeStartError`` within the startup
+    deadline."""
     from hivemind.dht.crypto import RSASignatureValidator
 
     from echo_p2p.net.reachability import relay_options
@@ -106,8 +108,7 @@ def start_dht(
     said = False  # the reason is logged once, not on every knock
     try:
         while True:
-            dht = hivemind.DHT(**kwargs)
-            _guard_pipes(dht)
+            dht = _make_dht(kwargs, in_process)
             dht.start()
             try:
                 dht.wait_until_ready(timeout=max(0.1, deadline - time.monotonic()))
@@ -134,6 +135,19 @@ def start_dht(
         # the daemon has read an ephemeral key file by now (or is gone): remove it, so that no private key
         # outlives a peer that is killed before its shutdown runs
         identity.cleanup()
+
+
+def _make_dht(kwargs: dict, in_process: bool):
+    """A DHT made but not started: an ``InProcessDHT``, or a ``hivemind.DHT`` with its pipe guarded."""
+    if in_process:
+        from echo_p2p.net.inprocess_dht import InProcessDHT
+
+        return InProcessDHT(**{k: v for k, v in kwargs.items() if k not in ("start", "await_ready")})
+    import hivemind
+
+    dht = hivemind.DHT(**kwargs)
+    _guard_pipes(dht)
+    return dht
 
 
 class _LockedSender:
@@ -241,6 +255,8 @@ def _kill(dht) -> None:
 def _reap(dht) -> None:
     """Make sure the DHT's child process is gone: SIGTERM, then SIGKILL (a child that ignores SIGTERM would
     otherwise keep our process from exiting, since multiprocessing joins its children at exit)."""
+    if not hasattr(dht, "terminate"):  # an InProcessDHT: no process; its shutdown stopped its thread
+        return
     if dht.is_alive():
         dht.terminate()
         dht.join(timeout=5)
