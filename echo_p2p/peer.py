@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     from echo_p2p.logs import setup_logging
 
     setup_logging(config.log_level)
+    from echo_p2p.net.lean_hivemind import use_lean_hivemind
+
+    use_lean_hivemind()  # hivemind's averagers and optimizer (and scipy) only once a trainer builds its optimizer
     from echo_p2p.net.identity import IdentityError
 
     try:
