@@ -12,7 +12,8 @@ All of them join one bootstrap of this tree (with a signed run record) started b
 
 Per entry point and tree it reports medians: wall seconds from launch to that act; import seconds (the sum
 of ``-X importtime``'s top-level cumulative times: every import the process ran up to its exit, lazy ones
-included); modules imported when the act happened; whether torch, scipy and transformers were among them.
+included); modules imported and peak RSS (this process, not its p2pd or DHT child) when the act
+happened; whether torch, scipy and transformers were among them.
 ``--before DIR`` adds a column for another tree (e.g. ``git worktree add --detach DIR <commit>``), run with
 its own code through PYTHONPATH. Prints a table and writes JSON (default ``benchmarks/results/startup.json``).
 
@@ -42,14 +43,15 @@ RUN_ID = "startup-bench"
 #: Runs the entry point as ``python -m MODULE ARGS``; writes what is imported to $STARTUP_REPORT once the
 #: benchmark creates $STARTUP_READY (the act happened) or at exit, whichever comes first.
 WRAPPER = """
-import atexit, json, os, runpy, sys, threading, time
+import atexit, json, os, resource, runpy, sys, threading, time
 heavy = set(sys.argv[1].split(","))
 def report():
     if os.path.exists(os.environ["STARTUP_REPORT"]):
         return
     top = {m.split(".")[0] for m in list(sys.modules)}
     with open(os.environ["STARTUP_REPORT"] + ".tmp", "w") as f:
-        json.dump({"modules": len(sys.modules), "heavy": sorted(top & heavy)}, f)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        json.dump({"modules": len(sys.modules), "heavy": sorted(top & heavy), "max_rss_mb": rss}, f)
     os.replace(os.environ["STARTUP_REPORT"] + ".tmp", os.environ["STARTUP_REPORT"])
 def watch():
     while not os.path.exists(os.environ["STARTUP_READY"]):
@@ -224,30 +226,24 @@ def summarize(runs: list[dict]) -> dict:
         "wall_s": statistics.median(r["wall_s"] for r in runs),
         "import_s": statistics.median(r["import_s"] for r in runs),
         "modules": int(statistics.median(r["modules"] for r in runs)),
+        "max_rss_mb": statistics.median(r["max_rss_mb"] for r in runs),
         **{f"{h}_imported": any(h in r["heavy"] for r in runs) for h in HEAVY},
     }
 
 
 def print_table(results: dict, labels: list[str]) -> None:
-    cols = [
-        (f"{what} {label}", what, label) for what in ("wall_s", "import_s", "modules") for label in labels
-    ]
-    cols += [(f"torch {label}", "torch_imported", label) for label in labels]
-    print(f"{'entry point':<16}" + "".join(f"{c[0]:>16}" for c in cols))
+    """One row per entry point; each figure once per tree (before, after)."""
+    figures = ("wall_s", "import_s", "modules", "max_rss_mb", "torch_imported")
+    cols = [(what, label) for what in figures for label in labels]
+    print(f"{'entry point':<16}" + "".join(f"{what.split('_')[0] + ' ' + label:>14}" for what, label in cols))
     for name, by_tree in results.items():
-        cells = []
-        for _, what, label in cols:
-            value = by_tree[label][what]
-            cells.append(
-                "yes"
-                if value is True
-                else "no"
-                if value is False
-                else f"{value:.2f}"
-                if isinstance(value, float)
-                else str(value)
-            )
-        print(f"{name:<16}" + "".join(f"{c:>16}" for c in cells))
+        print(f"{name:<16}" + "".join(f"{_cell(by_tree[label][what]):>14}" for what, label in cols))
+
+
+def _cell(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":
