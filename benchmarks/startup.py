@@ -27,13 +27,14 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dht import stop  # a sibling script (this folder is first on the path): stops a process group by its id
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -43,14 +44,16 @@ RUN_ID = "startup-bench"
 #: Runs the entry point as ``python -m MODULE ARGS``; writes what is imported to $STARTUP_REPORT once the
 #: benchmark creates $STARTUP_READY (the act happened) or at exit, whichever comes first.
 WRAPPER = """
-import atexit, json, os, resource, runpy, sys, threading, time
+import atexit, json, os, runpy, sys, threading, time
 heavy = set(sys.argv[1].split(","))
 def report():
     if os.path.exists(os.environ["STARTUP_REPORT"]):
         return
     top = {m.split(".")[0] for m in list(sys.modules)}
     with open(os.environ["STARTUP_REPORT"] + ".tmp", "w") as f:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # VmHWM: this image's peak (ru_maxrss would keep the forking parent's across exec)
+        with open("/proc/self/status") as status:
+            rss = next(int(x.split()[1]) for x in status if x.startswith("VmHWM")) / 1024
         json.dump({"modules": len(sys.modules), "heavy": sorted(top & heavy), "max_rss_mb": rss}, f)
     os.replace(os.environ["STARTUP_REPORT"] + ".tmp", os.environ["STARTUP_REPORT"])
 def watch():
@@ -119,21 +122,8 @@ def _wait(predicate, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what this benchmark started
-    except ProcessLookupError:
-        pass
-
-
 def entries(join: str, record: Path, workdir: Path) -> dict[str, tuple[list[str], object]]:
-    """name -> (arguments after the interpreter, ready(log text))."""
+    """name -> (arguments after the interpreter, ready(log text)); ``workdir``: this run's own folder."""
     peer = ["echo_p2p.peer", "--join", join, "--host-maddrs", LOOPBACK, "--model", "tiny", "--task", "count"]
     peer += ["--mode", "async"]
     return {
@@ -192,13 +182,13 @@ def main() -> None:
         workdir = Path(tmp)
         boot, join, record = start_bootstrap(workdir)
         try:
-            table = entries(join, record, workdir)
-            names = [n for n in table if args.only is None or n in args.only]
+            names = [n for n in entries(join, record, workdir) if args.only is None or n in args.only]
             for i in range(args.repeats):
                 for name in names:
                     for label, tree in trees.items():  # taking turns: the load falls on both alike
-                        argv, ready = table[name]
-                        result = run_entry(tree, argv, ready, workdir)
+                        run_dir = Path(tempfile.mkdtemp(dir=workdir))
+                        argv, ready = entries(join, record, run_dir)[name]
+                        result = run_entry(tree, argv, ready, run_dir)
                         samples.setdefault(name, {}).setdefault(label, []).append(result)
                         print(f"[{i + 1}/{args.repeats}] {name:<15} {label:<6} {result}", file=sys.stderr)
         finally:
@@ -212,13 +202,21 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "load_average_at_end": os.getloadavg(),
         "repeats": args.repeats,
-        "trees": {label: str(tree) if label == "before" else "this tree" for label, tree in trees.items()},
+        "trees": {label: _commit(tree) for label, tree in trees.items()},  # commits, not paths
         "results": results,
         "samples": samples,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _commit(tree: Path) -> str:
+    """The tree's commit (``-dirty``: with uncommitted edits), as ``git describe`` says it."""
+    r = subprocess.run(
+        ["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return r.stdout.strip() or "unknown"
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -233,11 +231,12 @@ def summarize(runs: list[dict]) -> dict:
 
 def print_table(results: dict, labels: list[str]) -> None:
     """One row per entry point; each figure once per tree (before, after)."""
-    figures = ("wall_s", "import_s", "modules", "max_rss_mb", "torch_imported")
+    figures = {"wall_s": "wall s", "import_s": "import s", "modules": "modules", "max_rss_mb": "RSS MB"}
+    figures["torch_imported"] = "torch"
     cols = [(what, label) for what in figures for label in labels]
-    print(f"{'entry point':<16}" + "".join(f"{what.split('_')[0] + ' ' + label:>14}" for what, label in cols))
+    print(f"{'entry point':<16}" + "".join(f"{figures[what] + ' ' + label:>16}" for what, label in cols))
     for name, by_tree in results.items():
-        print(f"{name:<16}" + "".join(f"{_cell(by_tree[label][what]):>14}" for what, label in cols))
+        print(f"{name:<16}" + "".join(f"{_cell(by_tree[label][what]):>16}" for what, label in cols))
 
 
 def _cell(value) -> str:

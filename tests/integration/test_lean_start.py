@@ -1,6 +1,7 @@
-"""Processes that never train start without torch: the bootstrap (with its run record and monitor page),
-``swarm status`` and the monitor, each checked in a process of its own; and ``net.inprocess_dht``'s node
-(what they run) exchanges records with a peer's ``hivemind.DHT`` and leaves no p2pd behind."""
+"""Processes that never train start without torch: the bootstrap (with its run record and monitor page, serving
+a peer's stores and the readers' reads), ``swarm status`` and the monitor, each checked in a process of its
+own; and ``net.inprocess_dht``'s node (what they run) exchanges records with a peer's ``hivemind.DHT`` and
+leaves no p2pd behind."""
 
 from __future__ import annotations
 
@@ -61,19 +62,48 @@ def test_a_bootstrap_serves_its_run_record_and_monitor_without_torch(tmp_path: P
     assert "HEAVY []" in r.stdout, r.stdout
 
 
-def test_swarm_status_and_the_monitor_read_a_run_without_torch(procs: Procs, tmp_path: Path):
+#: Runs ``python -m MODULE ARGS`` and prints, at its exit, which heavy packages the process imported.
+WRAPPER = (
+    "import atexit, runpy, sys\n"
+    f"atexit.register(lambda: print('HEAVY', {HEAVY}, flush=True))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _stop_and_read(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)  # its clean stop, then the exit hook
+    proc.wait(timeout=30)
+    return proc.log_path.read_text()
+
+
+def test_readers_and_the_bootstrap_they_read_run_without_torch(procs: Procs, tmp_path: Path):
+    """The bootstrap serves reads (status, monitor) and a peer's stores; none of the three imports torch."""
+    from hivemind.utils import get_dht_time
+
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.network_config import NetworkConfig
+    from echo_p2p.net.node import start_dht, stop_dht
+
     record, owner = _run_record(tmp_path, "lean")
-    _, maddr = procs.bootstrap("--run-record", str(record))
-    join = f"lean:{owner}@{maddr}"
-    # the command's own exit path: what it imported by then, printed at exit
-    wrapper = (
-        "import atexit, runpy, sys\n"
-        f"atexit.register(lambda: print('HEAVY', {HEAVY}, flush=True))\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+    maddrs = tmp_path / "bootstrap.maddrs"
+    boot = procs.start(
+        *("-c", WRAPPER, "echo_p2p.bootstrap", "--host-maddrs", LOOPBACK, "--run-record", str(record)),
+        *("--maddrs-file", str(maddrs)),
+        name="bootstrap",
     )
+    wait_until(lambda: maddrs.exists() or boot.poll() is not None, 60, what="bootstrap start")
+    maddr = maddrs.read_text().split()[0]
+    join = f"lean:{owner}@{maddr}"
+    peer = start_dht(
+        NetworkConfig(host_maddrs=[LOOPBACK], initial_peers=[maddr]), load_or_create_identity(None)
+    )
+    try:  # a record stored on the bootstrap by a peer (validators and storage run there)
+        assert peer.store("lean-check", "stored", get_dht_time() + 60, subkey="peer")
+    finally:
+        stop_dht(peer)
     status = subprocess.run(
-        [sys.executable, "-c", wrapper, "echo_p2p.swarm", "status", "--join", join, "--json"],
+        [sys.executable, "-c", WRAPPER, "echo_p2p.swarm", "status", "--join", join, "--json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -83,11 +113,12 @@ def test_swarm_status_and_the_monitor_read_a_run_without_torch(procs: Procs, tmp
     body, heavy = status.stdout.rsplit("HEAVY", 1)
     assert json.loads(body)["run_id"] == "lean"
     assert heavy.strip() == "[]", status.stdout
-    monitor = procs.start("-c", wrapper, "echo_p2p.monitor", "--join", join, "--port", "0", name="monitor")
+    monitor = procs.start("-c", WRAPPER, "echo_p2p.monitor", "--join", join, "--port", "0", name="monitor")
     wait_until(lambda: b"monitor of run" in monitor.log_path.read_bytes(), 60, what="the monitor's URL")
-    monitor.send_signal(signal.SIGINT)  # its clean stop, then the exit hook
-    monitor.wait(timeout=30)
-    assert "HEAVY []" in monitor.log_path.read_text(), monitor.log_path.read_text()[-2000:]
+    log = _stop_and_read(monitor)
+    assert "HEAVY []" in log, log[-2000:]
+    log = _stop_and_read(boot)
+    assert "HEAVY []" in log, log[-2000:]
 
 
 def test_an_in_process_node_and_a_hivemind_dht_exchange_records_and_stop_cleanly():
