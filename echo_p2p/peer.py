@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(config.log_level)
     from echo_p2p.net.lean_hivemind import use_lean_hivemind
 
-    use_lean_hivemind()  # hivemind's averagers and optimizer (and scipy) only once a trainer builds its optimizer
+    use_lean_hivemind()  # hivemind's averagers and optimizer: only once a trainer builds its optimizer
     from echo_p2p.net.identity import IdentityError
 
     try:

@@ -103,12 +103,13 @@ def start_dht(
         kwargs["announce_maddrs"] = list(network.announce_maddrs)
     if not client_mode:  # a reader (monitor, swarm status) dials out only: it needs no relay
         kwargs.update(relay_options(network.relay_addresses, network.reachability))
+    make = _dht_maker(in_process)  # imports first (torch, for hivemind.DHT): not on the start-up deadline
     deadline = time.monotonic() + network.startup_timeout
     knock_deadline = min(deadline, time.monotonic() + network.knock_timeout)
     said = False  # the reason is logged once, not on every knock
     try:
         while True:
-            dht = _make_dht(kwargs, in_process)
+            dht = make(kwargs)
             dht.start()
             try:
                 dht.wait_until_ready(timeout=max(0.1, deadline - time.monotonic()))
@@ -137,17 +138,24 @@ def start_dht(
         identity.cleanup()
 
 
-def _make_dht(kwargs: dict, in_process: bool):
-    """A DHT made but not started: an ``InProcessDHT``, or a ``hivemind.DHT`` with its pipe guarded."""
+def _dht_maker(in_process: bool):
+    """What makes a DHT, not started, from ``start_dht``'s keyword arguments: an ``InProcessDHT``, or a
+    ``hivemind.DHT`` with its pipe guarded. Imports the class now (with ``net.lean_hivemind``, the import of
+    ``hivemind.DHT`` is the one that brings torch)."""
     if in_process:
         from echo_p2p.net.inprocess_dht import InProcessDHT
 
-        return InProcessDHT(**{k: v for k, v in kwargs.items() if k not in ("start", "await_ready")})
-    import hivemind
+        return lambda kwargs: InProcessDHT(
+            **{k: v for k, v in kwargs.items() if k not in ("start", "await_ready")}
+        )
+    from hivemind.dht.dht import DHT
 
-    dht = hivemind.DHT(**kwargs)
-    _guard_pipes(dht)
-    return dht
+    def make(kwargs: dict):
+        dht = DHT(**kwargs)
+        _guard_pipes(dht)
+        return dht
+
+    return make
 
 
 class _LockedSender:
