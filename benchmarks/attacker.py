@@ -412,26 +412,39 @@ class Attacker:
         """One Sybil key's three records, at an address where nobody answers (the discard port)."""
         from sybil import SignedStore
 
+        from echo_p2p.net.buckets import bucket_of
         from echo_p2p.net.records import PeerRecord, ProviderRecord
 
-        real = [e.record for e in self.directory.providers(max_age=10.0)]  # the attractive claims to copy
+        version = max((e.record.version for e in self.directory.policies()), default=0)
+        real = [e.record for e in self.directory.providers(version, max_age=10.0)]  # the claims to copy
         best = max(real, key=lambda r: max(r.versions, default=-1), default=None)
         claims = best.model_dump(include={"versions", "encodings", "stream_id", "manifests"}) if best else {}
         maddrs = [f"/ip4/127.0.0.1/tcp/9/p2p/{key.peer_id}"]
+        k = self.directory.buckets  # the README run's: one bucket (its run record names no K)
+        bucket = bucket_of(key.peer_id, k)
         records = (
-            (self.keys.peers, PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs)),
             (
+                "peers",
+                self.keys.peers(k, bucket),
+                PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs),
+            ),
+            (
+                "trainers",
                 self.keys.trainers,
                 PeerRecord(peer_id=key.peer_id, role="trainer", maddrs=maddrs, accepts_rollouts=True),
             ),
-            (self.keys.providers, ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims)),
+            (
+                "providers",
+                self.keys.providers(k, bucket, version),
+                ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims),
+            ),
         )
-        for dht_key, record in records:
+        for name, dht_key, record in records:
             try:
                 stored = self.dht.run_coroutine(SignedStore(dht_key, key.private_key, record.to_wire()))
             except Exception:
                 stored = False
-            self.seen[f"{dht_key.rsplit('/', 1)[-1]}_{'stored' if stored else 'refused'}"] += 1
+            self.seen[f"{name}_{'stored' if stored else 'refused'}"] += 1
 
     def _tarpit(self) -> dict:
         import hivemind
@@ -444,7 +457,9 @@ class Attacker:
             record_validators=[RSASignatureValidator(self.identity.private_key)],
         )
         try:
-            dht.get(self.keys.peers, latest=True)  # joined: the run's nodes have it in their routing tables
+            dht.get(
+                self.keys.trainers, latest=True
+            )  # joined: the run's nodes have it in their routing tables
             dht.run_coroutine(_Stuck(self.args.duration + 30), return_future=True)
             self.seen["stuck"] = 1
             self.stop.wait(self.args.duration)
@@ -474,7 +489,7 @@ class Attacker:
                     if self.stop.is_set():
                         break
                     future = dht.store(
-                        self.keys.peers,
+                        self.keys.peers(1, 0),
                         value,
                         get_dht_time() + 1e6,
                         subkey=self.identity.owner_key + b"%d" % i,

@@ -464,7 +464,8 @@ class Probe:
                 t0 = time.perf_counter()
                 peers = self.directory.peers()
                 t1 = time.perf_counter()
-                providers = self.directory.providers()
+                version = max((e.record.version for e in self.directory.policies()), default=0)
+                providers = self.directory.providers(version)
                 t2 = time.perf_counter()
                 self.samples.append((t1 - t0, len(peers), t2 - t1, len(providers)))
 
@@ -538,7 +539,8 @@ def directory_entry_bytes(maddr: str) -> dict[str, Any]:
             manifests=["0" * 64],
         )
         out: dict[str, Any] = {"hivemind_max_msg_bytes": DEFAULT_MAX_MSG_SIZE}
-        for name, key, record in (("peer", keys.peers, peer), ("provider", keys.providers, provider)):
+        pairs = (("peer", keys.peers(1, 0), peer), ("provider", keys.providers(1, 0, 123), provider))
+        for name, key, record in pairs:
             key_id = DHTID.generate(source=key).to_bytes()
             subkey = MSGPackSerializer.dumps(identity.owner_key)
             value = MSGPackSerializer.dumps(record.to_wire())

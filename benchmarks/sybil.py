@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                 ident = load_or_create_identity(None)
                 keygen.append(time.perf_counter() - t0)
                 record = PeerRecord(peer_id=ident.peer_id, role="inference").to_wire()
-                stored += bool(writer.run_coroutine(SignedStore(keys.peers, ident.private_key, record)))
+                stored += bool(writer.run_coroutine(SignedStore(keys.peers(1, 0), ident.private_key, record)))
                 as_trainer = PeerRecord(peer_id=ident.peer_id, role="trainer").to_wire()
                 writer.run_coroutine(SignedStore(keys.trainers, ident.private_key, as_trainer))
                 ident.cleanup()

@@ -99,7 +99,9 @@ def run(versions: int, with_liar: bool, workdir: Path) -> dict:
             digest = publisher.record.manifests[-1].digest
             if with_liar:  # the liar lists this version before the receiver looks for providers
                 wait_until(
-                    lambda d=digest: any(d in e.record.manifests for e in receiver.directory.providers()),
+                    lambda d=digest, v=version: any(
+                        d in e.record.manifests for e in receiver.directory.providers(v)
+                    ),
                     60,
                     f"the liar to list version {version}",
                 )

@@ -6,6 +6,6 @@ peers that need them, so `python -m echo_p2p.peer --help` stays instant.
 
 __version__ = "0.1.0"
 
-#: Wire protocol version. It is part of every DHT key (``echo/v2/...``) and every record; peers ignore
+#: Wire protocol version. It is part of every DHT key (``echo/v3/...``) and every record; peers ignore
 #: records of another protocol version with one log line.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3

@@ -286,7 +286,10 @@ def watch(swarm: LocalSwarm) -> int:
         if config.monitor:
             monitor = start_monitor(swarm, dht, keys, identity)
         return _watch_loop(
-            swarm, lambda: format_table(config.run_id, peer_rows(directory.everyone(), time.time()))
+            swarm,
+            lambda: format_table(
+                config.run_id, peer_rows(directory.trainers() + directory.peers(), time.time())
+            ),
         )
     finally:
         if monitor is not None:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo_p2p.net.buckets import buckets_for
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.run_record import JoinAddress, RunRecord, read_file, sign, write_file
 
@@ -186,6 +187,13 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated precisions of samplers whose rollouts count",
     )
     s.add_argument("--note", default="")
+    s.add_argument(
+        "--expected-peers",
+        type=int,
+        default=None,
+        help="how many peers the run may grow to: the directory is split into enough bucket keys for it "
+        "(default: one key, fine below ~64 inference peers)",
+    )
     s.add_argument("--out", required=True, help="where to write the signed record")
     show = sub.add_parser("show", help="verify and print a signed run record")
     show.add_argument("path")
@@ -235,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             top_k=args.top_k,
             sampler_precisions=args.sampler_precisions.split(",") if args.sampler_precisions else None,
             note=args.note,
+            directory_buckets=None if args.expected_peers is None else buckets_for(args.expected_peers),
         )
         write_file(args.out, *sign(record, owner))
     except (TrustFileError, ValueError) as exc:

@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
+def format_table(run_id: str, rows: list[dict[str, Any]], directory: dict[str, Any] | None = None) -> str:
+    """The peers as a table; with ``directory`` (a status's ``directory``), a last line saying how many
+    inference peers the read did not see (the directory buckets not read: an estimate)."""
+
     def fmt(v: Any, spec: str = "") -> str:
         return "-" if v is None else format(v, spec)
 
@@ -49,6 +52,11 @@ def format_table(run_id: str, rows: list[dict[str, Any]]) -> str:
             f"{fmt(r['policy_version']):>5} {fmt(r['tokens_per_second'], '.1f'):>8} "
             f"{fmt(r['rollouts_per_second'], '.2f'):>7} {fmt(r['free_buffer_room']):>5} {_share(r.get('waiting_for_grants')):>5} "
             f"{fmt(r['last_seen_s'], '.0f'):>5}s"
+        )
+    if directory and directory.get("total"):
+        lines.append(
+            f"not seen: ~{directory.get('unseen_peers') or 0} peer(s) "
+            f"({directory.get('known')} of {directory['total']} directory bucket(s) read)"
         )
     return "\n".join(lines)
 
@@ -70,6 +78,7 @@ class StatusReader:
         from echo_p2p.net.lean_hivemind import use_lean_hivemind
 
         use_lean_hivemind()  # before any hivemind import: reading a run's status needs no torch
+        from echo_p2p.monitor.sampling import BucketSampler
         from echo_p2p.net.identity import load_or_create_identity
         from echo_p2p.net.keys import SwarmKeys
         from echo_p2p.net.node import start_dht
@@ -78,6 +87,7 @@ class StatusReader:
         network = next(iter(targets.values())).network
         self.identity = load_or_create_identity(network.identity_path)
         self.keys = {run_id: SwarmKeys(run_id) for run_id in targets}
+        self.samplers = {run_id: BucketSampler() for run_id in targets}  # a poller sees every bucket in turn
         try:
             self.dht = start_dht(
                 network, self.identity, list(self.keys.values()), client_mode=True, in_process=True
@@ -93,7 +103,9 @@ class StatusReader:
 
         target = self.targets[run_id]
         directory = SwarmDirectory(self.dht, self.keys[run_id], self.identity, target.network.request_timeout)
-        snapshot = read_snapshot(directory, run_id, target.trust, lambda: neighbour_counts(self.dht)[1])
+        snapshot = read_snapshot(
+            directory, run_id, target.trust, lambda: neighbour_counts(self.dht)[1], self.samplers[run_id]
+        )
         return build_status(snapshot)
 
     def close(self) -> None:
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             print(json.dumps(status, indent=2, allow_nan=False))
         else:
-            print(format_table(target.run_id, status["peers"]))
+            print(format_table(target.run_id, status["peers"], status["directory"]))
             if status["alerts"]:
                 print(format_alerts(status))
     finally:

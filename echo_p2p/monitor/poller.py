@@ -17,6 +17,7 @@ from typing import Any
 
 from echo_p2p.monitor.config import MonitorConfig
 from echo_p2p.monitor.history import Tracker
+from echo_p2p.monitor.sampling import BucketSampler
 from echo_p2p.monitor.status import build_status, read_snapshot
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,14 @@ class Poller:
         self.config = config or MonitorConfig()
         self.connections = connections
         self.tracker = Tracker(self.config)
+        self.sampler = BucketSampler()  # the peer buckets read so far (a few per poll)
         self.polls = 0
         self._latest: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def poll_once(self) -> dict[str, Any]:
-        snapshot = read_snapshot(self.directory, self.run_id, self.trust, self.connections)
+        snapshot = read_snapshot(self.directory, self.run_id, self.trust, self.connections, self.sampler)
         status = build_status(snapshot, self.config, self.tracker)
         self._latest = status  # one reference swap: readers see the old status or the new one
         self.polls += 1

@@ -22,6 +22,7 @@ from typing import Any
 from echo_p2p import __version__
 from echo_p2p.monitor.alerts import evaluate
 from echo_p2p.monitor.config import MonitorConfig
+from echo_p2p.monitor.sampling import BucketSampler
 
 #: Caps on what one status carries (the records' own limits are looser or absent).
 MAX_TEXT = 128
@@ -43,18 +44,34 @@ class Snapshot:
     trust: Any = None
     dht_error: str | None = None
     connections: int | None = None  # libp2p connections of the reading node (None: not asked)
+    buckets: dict[str, int] = field(default_factory=dict)  # directory coverage (``sampling.Sample``)
 
 
 def read_snapshot(
-    directory, run_id: str, trust=None, connections: Callable[[], int] | None = None
+    directory,
+    run_id: str,
+    trust=None,
+    connections: Callable[[], int] | None = None,
+    sampler: BucketSampler | None = None,
 ) -> Snapshot:
-    """Read the run's records once through ``directory`` (a ``SwarmDirectory``); never raises on DHT trouble."""
+    """Read the run's records once through ``directory`` (a ``SwarmDirectory``): the trainers and, through
+    ``sampler`` (one kept across polls; a fresh one when None), some of the inference peers' buckets.
+    Never raises on DHT trouble."""
     snap = Snapshot(run_id=run_id, time=time.time(), trust=trust)
     timeouts = directory.read_timeouts
+    sampler = sampler or BucketSampler()
     try:
         if trust is not None and trust.owner is not None:
             trust.update(entry.record for entry in directory.run_records())
-        snap.peers = directory.everyone()
+        directory.use_run_record(trust)
+        sample = sampler.poll(directory)
+        snap.peers = sorted(directory.trainers() + sample.entries, key=lambda e: -e.record.updated_at)
+        snap.buckets = {
+            "total": sample.buckets,
+            "read_now": sample.read_now,
+            "known": sample.known,
+            "unseen_peers": sample.unseen,
+        }
         snap.policies = directory.policies()
         snap.bans = directory.ban_records()
         if connections is not None:
@@ -187,6 +204,8 @@ def build_status(snap: Snapshot, config: MonitorConfig | None = None, tracker=No
             "inference": sum(1 for r in running if r["role"] == "inference"),
             "impostors": sum(1 for r in rows if r["trusted"] is False),
             "peers_total": len(rows),
+            # inference peers in directory buckets not read yet (estimated from the buckets read)
+            "peers_unseen": snap.buckets.get("unseen_peers", 0),
             "peers_listed": min(len(rows), config.max_peers),
             "reward": num(round(sum(rewards) / len(rewards), 4)) if rewards else None,
             "eval_version": evaluated["eval_version"] if evaluated else None,
@@ -205,6 +224,7 @@ def build_status(snap: Snapshot, config: MonitorConfig | None = None, tracker=No
         "bans": _bans(snap, rows),
         "rejected": {text(k, 64): num(v) for k, v in list(snap.rejected.items())[:32]},
         "dht": {"ok": snap.dht_error is None, "error": snap.dht_error, "connections": snap.connections},
+        "directory": {text(k, 32): num(v) for k, v in snap.buckets.items()},
     }
     timers = None
     if tracker is not None:

@@ -1,6 +1,6 @@
 """Every DHT key that echo_p2p reads or writes is built here, and only here.
 
-Keys carry the protocol version and the run id (``echo/v2/<run_id>/<name>``), so two runs, or two
+Keys carry the protocol version and the run id (``echo/v3/<run_id>/<name>``, bucketed keys below it), so two runs, or two
 protocol versions, never read each other's records. Callers: the swarm directory, the weights and
 rollout transports, the CLIs. This module must not touch the network.
 """
@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from echo_p2p import PROTOCOL_VERSION
+from echo_p2p.net.buckets import ALLOWED_BUCKETS, VERSION_SLOTS
 
 # no "." : hivemind's averagers (the trainers' hivemind.Optimizer) refuse names that contain one
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -40,11 +41,10 @@ class SwarmKeys:
     def prefix(self) -> str:
         return f"{KEY_PREFIX}/v{self.protocol}/{self.run_id}"
 
-    @property
-    def peers(self) -> str:
-        """Dictionary key: one subkey per peer (its owner key), value = that peer's ``PeerRecord`` (inference peers
-        and bootstraps; trainers announce under ``trainers``)."""
-        return f"{self.prefix}/peers"
+    def peers(self, buckets: int, bucket: int) -> str:
+        """Dictionary key of one bucket of ``buckets`` (``net.buckets``): one subkey per peer (its owner key),
+        value = that peer's ``PeerRecord`` (inference peers and bootstraps; trainers announce under ``trainers``)."""
+        return f"{self.prefix}/peers/{buckets}/{bucket}"
 
     @property
     def trainers(self) -> str:
@@ -57,10 +57,10 @@ class SwarmKeys:
         """Dictionary key: one subkey per trainer publisher, value = its newest policy manifest pointer."""
         return f"{self.prefix}/policy"
 
-    @property
-    def providers(self) -> str:
-        """Dictionary key: one subkey per peer, value = the policy versions it holds completely and serves."""
-        return f"{self.prefix}/providers"
+    def providers(self, buckets: int, bucket: int, version: int) -> str:
+        """Dictionary key of one (version slot, bucket): one subkey per peer, value = the policy versions it
+        holds completely and serves (``ProviderRecord``), stored under the slot of each version it offers."""
+        return f"{self.prefix}/providers/{buckets}/{bucket}/{version % VERSION_SLOTS}"
 
     @property
     def run(self) -> str:
@@ -73,12 +73,20 @@ class SwarmKeys:
         return f"{self.prefix}/bans"
 
     def all_keys(self) -> dict[str, str]:
-        """Name -> raw key, for every key of the run (used to build the DHT schema validator)."""
+        """Name -> raw key, for every unbucketed key of the run (used to build the DHT validators)."""
         return {
-            "peers": self.peers,
             "trainers": self.trainers,
             "policy": self.policy,
-            "providers": self.providers,
             "run": self.run,
             "bans": self.bans,
         }
+
+    def bucket_keys(self) -> dict[str, str]:
+        """Raw key -> ``"peers"`` or ``"providers"``, for every bucket key of the run at every allowed K (what a
+        DHT node checks: it cannot tell which K a run uses)."""
+        out = {}
+        for k in ALLOWED_BUCKETS:
+            for b in range(k):
+                out[self.peers(k, b)] = "peers"
+                out.update({self.providers(k, b, slot): "providers" for slot in range(VERSION_SLOTS)})
+        return out

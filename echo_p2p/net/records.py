@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgpack
 import pydantic.v1 as pydantic_v1
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
@@ -30,6 +31,9 @@ MAX_STR = 256
 #: ``PeerRecord.stalled``: at most this many signal names of at most this many characters (``roles.watchdog``)
 MAX_STALLED_SIGNALS = 8
 MAX_SIGNAL_CHARS = 32
+#: Largest value any echo_p2p DHT node stores under a run's keys (the records' own bounds are below it; the
+#: writer's signature rides in the value, hence the slack).
+MAX_VALUE_BYTES = 64 * 1024 + 1024
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 #: Longest lifetime (s) of a directory record. Honest peers re-announce well within it (every ``record_ttl``
 #: of the configs is at most this); a record stored to expire later is refused by every echo_p2p DHT node
@@ -71,6 +75,8 @@ class WireRecord(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)  # no inf/NaN from a stranger
 
     protocol: int = Field(default=PROTOCOL_VERSION, description="Protocol version of the record's writer")
+    #: Largest msgpack encoding a reader parses; the fields' own bounds keep an honest record well below it.
+    max_wire_bytes: ClassVar[int] = 8 * 1024
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="python")
@@ -86,6 +92,12 @@ class WireRecord(BaseModel):
         if protocol != PROTOCOL_VERSION:
             raise OtherProtocolError(protocol)
         try:
+            size = len(msgpack.packb(value, use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise RecordError(f"{cls.__name__} is not plain data ({type(exc).__name__})") from None
+        if size > cls.max_wire_bytes:
+            raise OversizedRecordError(f"{cls.__name__} of {size} bytes (at most {cls.max_wire_bytes})")
+        try:
             return cls.model_validate(value)
         except ValidationError as exc:
             raise RecordError(f"malformed {cls.__name__}: {_short(exc)}") from exc
@@ -93,6 +105,10 @@ class WireRecord(BaseModel):
 
 class RecordError(ValueError):
     """A DHT record that does not parse (malformed, wrong types, out of range)."""
+
+
+class OversizedRecordError(RecordError):
+    """A DHT record larger than its class's ``max_wire_bytes``: dropped unparsed, counted as ``too_large``."""
 
 
 class OtherProtocolError(RecordError):
@@ -110,6 +126,8 @@ def _short(exc: ValidationError) -> str:
 
 
 SignalName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SIGNAL_CHARS)]
+Maddr = Annotated[str, StringConstraints(max_length=MAX_STR)]
+Encoding = Annotated[str, StringConstraints(max_length=32)]
 
 
 class PeerRecord(WireRecord):
@@ -121,7 +139,7 @@ class PeerRecord(WireRecord):
     software_version: str = Field(default=__version__, max_length=64, description="echo_p2p version")
     mode: Literal["sync", "async"] | None = Field(default=None, description="Sync mode the peer runs in")
     policy_version: int | None = Field(default=None, ge=0, description="Newest complete policy version held")
-    maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+    maddrs: list[Maddr] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
     started_at: float = Field(default_factory=time.time, description="Wall-clock start time of the peer")
     updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
     state: Literal["starting", "running", "leaving"] = Field(
@@ -193,14 +211,17 @@ class PeerRecord(WireRecord):
 
 
 class ProviderRecord(WireRecord):
-    """Under ``SwarmKeys.providers`` (subkey: the provider's key): policy versions a peer holds and serves."""
+    """Under ``SwarmKeys.providers`` of its bucket, in the slot of each version it offers (subkey: the
+    provider's key): policy versions a peer holds and serves."""
+
+    max_wire_bytes: ClassVar[int] = 16 * 1024
 
     peer_id: str = Field(max_length=128, description="libp2p peer id (base58) of the provider")
     versions: list[int] = Field(
         default_factory=list, max_length=64, description="Complete versions it serves"
     )
-    encodings: list[str] = Field(default_factory=list, max_length=16, description="Encodings it serves")
-    maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+    encodings: list[Encoding] = Field(default_factory=list, max_length=16, description="Encodings it serves")
+    maddrs: list[Maddr] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
     stream_id: str | None = Field(
         default=None, max_length=64, description="Publisher stream the served manifests belong to"
     )
@@ -249,6 +270,8 @@ class PolicyRecord(WireRecord):
     only if its signature and publisher are trusted (``echo_p2p.guard.trust``).
     """
 
+    max_wire_bytes: ClassVar[int] = 32 * 1024
+
     peer_id: str = Field(max_length=128, description="libp2p peer id (base58) of the publisher")
     stream_id: str = Field(min_length=1, max_length=64, description="Publisher's current encoder stream")
     version: int = Field(ge=0, description="Newest published version")
@@ -258,7 +281,7 @@ class PolicyRecord(WireRecord):
     manifests: list[ManifestRef] = Field(
         default_factory=list, max_length=64, description="Manifests it serves, oldest first"
     )
-    maddrs: list[str] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
+    maddrs: list[Maddr] = Field(default_factory=list, max_length=MAX_MADDRS, description="Multiaddrs to dial")
     updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
 
 
@@ -269,6 +292,8 @@ MAX_SIGNATURE_BYTES = 1024
 class SignedRunRecord(WireRecord):
     """Under ``SwarmKeys.run`` (subkey: the storer's key): the run owner's signed ``RunRecord``, re-stored by
     any peer that holds it; readers verify the owner's signature themselves (``echo_p2p.net.run_record``)."""
+
+    max_wire_bytes: ClassVar[int] = MAX_RUN_RECORD_BYTES + MAX_SIGNATURE_BYTES + 1024
 
     peer_id: str = Field(max_length=128, description="Peer id of the peer that stored it (not the owner)")
     record: bytes = Field(max_length=MAX_RUN_RECORD_BYTES, description="RunRecord.to_bytes()")
@@ -291,13 +316,15 @@ class BanRecord(WireRecord):
     """Under ``SwarmKeys.bans`` (subkey: the trainer's key): the senders a trainer banned. Peers apply the
     bans of the run's trusted trainers only."""
 
+    max_wire_bytes: ClassVar[int] = 64 * 1024
+
     peer_id: str = Field(max_length=128, description="Peer id of the trainer that banned them")
     bans: list[Ban] = Field(default_factory=list, max_length=256, description="Bans in force, longest first")
     updated_at: float = Field(default_factory=time.time, description="Wall-clock time of this announcement")
 
 
 class _DhtValue:
-    """A pydantic-v1 type for hivemind's SchemaValidator: checks a value against one of our v2 records.
+    """A pydantic-v1 type for hivemind's SchemaValidator: checks a value against one of our records.
 
     hivemind compares the parsed value with the raw one and refuses any conversion, so this type returns
     the raw map unchanged. Records of another protocol version are let through (they are that version's
@@ -331,37 +358,48 @@ def _value_type(record_cls: type[WireRecord], roles: frozenset[str] | None = Non
 
 def schema_validator(keys: SwarmKeys):
     """The hivemind ``SchemaValidator`` for one run's keys: dictionary records whose subkey is exactly their
-    owner's public-key marker (``OWNER_SUBKEY_RE``)."""
+    owner's public-key marker (``OWNER_SUBKEY_RE``). Every bucket key (``SwarmKeys.bucket_keys``) is checked
+    against the schema of its kind: hivemind names one schema field per raw key, so the bucket keys' hashes
+    are mapped onto the field of the first bucket of their kind."""
+    from hivemind.dht.routing import DHTID
     from hivemind.dht.schema import SchemaValidator, conbytes
 
     owner = conbytes(regex=OWNER_SUBKEY_RE.pattern)
+    first = {"peers": keys.peers(1, 0), "providers": keys.providers(1, 0, 0)}
     fields = {
-        keys.peers: (dict[owner, _value_type(PeerRecord, NON_TRAINER_ROLES)], None),
+        first["peers"]: (dict[owner, _value_type(PeerRecord, NON_TRAINER_ROLES)], None),
         keys.trainers: (dict[owner, _value_type(PeerRecord, TRAINER_ROLES)], None),
-        keys.providers: (dict[owner, _value_type(ProviderRecord)], None),
+        first["providers"]: (dict[owner, _value_type(ProviderRecord)], None),
         keys.policy: (dict[owner, _value_type(PolicyRecord)], None),
         keys.run: (dict[owner, _value_type(SignedRunRecord)], None),
         keys.bans: (dict[owner, _value_type(BanRecord)], None),
     }
     schema = pydantic_v1.create_model(f"EchoSchema_{keys.protocol}", **fields)
-    return SchemaValidator(schema, allow_extra_keys=True)
+    validator = SchemaValidator(schema, allow_extra_keys=True)
+    for raw_key, kind in keys.bucket_keys().items():
+        validator._key_id_to_field_name[DHTID.generate(source=raw_key).to_bytes()] = first[kind]
+    return validator
 
 
 def rules_validator(keys: SwarmKeys):
     """A hivemind record validator for the run's keys, run *before* the signature check (a higher priority
-    than ``RSASignatureValidator``'s 10), so that what it refuses costs no RSA verification: subkeys other
+    than ``RSASignatureValidator``'s 10), so that what it refuses costs no RSA verification: values above
+    ``MAX_VALUE_BYTES``, subkeys other
     than exactly their owner's key marker (``OWNER_SUBKEY_RE``: a flood from one key) and records stored to
     expire more than ``MAX_RECORD_TTL`` (+ ``CLOCK_SKEW``) from now (a record meant to outlive its writer)."""
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import RecordValidatorBase
     from hivemind.utils import MSGPackSerializer, get_dht_time
 
-    key_ids = frozenset(DHTID.generate(source=key).to_bytes() for key in keys.all_keys().values())
+    raw_keys = [*keys.all_keys().values(), *keys.bucket_keys()]
+    key_ids = frozenset(DHTID.generate(source=key).to_bytes() for key in raw_keys)
 
     class RulesValidator(RecordValidatorBase):
         def validate(self, record) -> bool:
             if record.key not in key_ids:
                 return True
+            if len(record.value) > MAX_VALUE_BYTES:
+                return False
             try:
                 subkey = MSGPackSerializer.loads(record.subkey)
             except Exception:

@@ -31,6 +31,7 @@ from typing import Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from echo_p2p.net.buckets import ALLOWED_BUCKETS
 from echo_p2p.net.keys import validate_run_id
 from echo_p2p.net.records import MAX_RUN_RECORD_BYTES as MAX_RECORD_BYTES
 from echo_p2p.net.records import MAX_SIGNATURE_BYTES, MAX_STR, SignedRunRecord
@@ -76,6 +77,11 @@ class RunRecord(BaseModel):
         default=None, max_length=8, description="Weight precisions of samplers whose rollouts count"
     )
     note: str = Field(default="", max_length=MAX_STR, description="Free text for people (who runs it)")
+    directory_buckets: int | None = Field(
+        default=None,
+        description="K, the directory's bucket keys (``net.buckets``: one of 1, 4, 16, 64, 256; None: 1), "
+        "chosen from the peers the owner expects",
+    )
 
     @field_validator("trainers")
     @classmethod
@@ -83,6 +89,13 @@ class RunRecord(BaseModel):
         for peer_id in value:
             if not isinstance(peer_id, str) or not _PEER_ID_RE.match(peer_id):
                 raise ValueError("a trainer must be a base58 peer id")
+        return value
+
+    @field_validator("directory_buckets")
+    @classmethod
+    def _buckets(cls, value: int | None) -> int | None:
+        if value is not None and value not in ALLOWED_BUCKETS:
+            raise ValueError(f"directory_buckets must be one of {ALLOWED_BUCKETS}")
         return value
 
     @field_validator("issued_at", "expires_at")
@@ -97,6 +110,10 @@ class RunRecord(BaseModel):
 
     def to_bytes(self) -> bytes:
         body = self.model_dump(mode="python")
+        if (
+            body["directory_buckets"] is None
+        ):  # absent as before the field existed: old signatures still verify
+            del body["directory_buckets"]
         return msgpack.packb({k: body[k] for k in sorted(body)}, use_bin_type=True)
 
     def owner_peer_id(self) -> str:

@@ -408,7 +408,7 @@ class BasePeer:
             return
         trainers, others = [], []
         try:
-            entries = list(self.directory.everyone())
+            entries = [*self.directory.trainers(), *self.directory.peer_sample()]
         except Exception as exc:  # a DHT read that failed: the cache keeps what it had
             logger.debug("%s reading peers for the cache failed: %r", self.prefix(), exc)
             return

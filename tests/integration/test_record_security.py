@@ -112,8 +112,8 @@ def test_malformed_record_is_refused_by_honest_nodes_and_never_crashes_a_reader(
         "role": "emperor",
         "policy_version": "many",
     }
-    rogue.store(keys.peers, bad, get_dht_time() + 60, subkey=rogue_ident.owner_key)
-    rogue.store(keys.peers, b"\xff not even a map", get_dht_time() + 60, subkey=rogue_ident.owner_key)
+    rogue.store(keys.peers(1, 0), bad, get_dht_time() + 60, subkey=rogue_ident.owner_key)
+    rogue.store(keys.peers(1, 0), b"\xff not even a map", get_dht_time() + 60, subkey=rogue_ident.owner_key)
     assert reader_dir.peers() == []
 
 
@@ -130,7 +130,7 @@ def test_record_of_another_protocol_version_is_ignored_with_one_log_line(swarm, 
     }
     from hivemind.utils import get_dht_time as now
 
-    stored = future_dir.dht.store(keys.peers, newer, now() + 60, subkey=future_peer.owner_key)
+    stored = future_dir.dht.store(keys.peers(1, 0), newer, now() + 60, subkey=future_peer.owner_key)
     assert stored  # records of another protocol version pass the DHT schema: they are that version's business
     with caplog.at_level(logging.INFO, logger="echo_p2p"):
         assert reader_dir.peers() == []
@@ -165,9 +165,9 @@ def test_one_key_holds_one_record_a_flood_of_subkeys_is_refused_and_ignored(swar
     rogue, rogue_ident = rogue_node(boot, started)
     record = PeerRecord(peer_id=rogue_ident.peer_id, role="inference").to_wire()
     for i in range(50):
-        rogue.store(keys.peers, record, get_dht_time() + 60, subkey=rogue_ident.owner_key + b"%d" % i)
+        rogue.store(keys.peers(1, 0), record, get_dht_time() + 60, subkey=rogue_ident.owner_key + b"%d" % i)
     # an honest node refuses to store them
-    boot_value = boot.get(keys.peers, latest=True)
+    boot_value = boot.get(keys.peers(1, 0), latest=True)
     stored_subkeys = set(boot_value.value) if boot_value is not None else set()
     assert all(s in (trainer.owner_key,) for s in stored_subkeys), len(stored_subkeys)
     # a reader that also asks the rogue node sees only honest records, the rest counted
@@ -237,7 +237,9 @@ def test_only_the_runs_trainers_write_the_trainers_key(swarm):
     assert boot.run_coroutine(stored) == [trainer.peer_id]  # refused by the told nodes
 
     # a trainer's record cannot stand in for an inference peer's: no echo_p2p node takes it under peers
-    assert not boot_dir._store(keys.peers, PeerRecord(peer_id=boot_dir.identity.peer_id, role="trainer"), 60)
+    assert not boot_dir._store(
+        keys.peers(1, 0), PeerRecord(peer_id=boot_dir.identity.peer_id, role="trainer"), 60
+    )
     assert reader_dir.peers() == []
 
     rogue, rogue_ident = rogue_node(boot, started)  # plain hivemind: keeps and serves what it stores

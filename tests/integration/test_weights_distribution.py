@@ -125,8 +125,11 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def provider_sees(fetcher: WeightFetcher, peer_id: str, digest: str) -> bool:
+    """Whether ``fetcher`` finds ``peer_id`` listing ``digest`` where it looks: the slot of the newest version."""
+    version = max((e.record.version for e in fetcher.directory.policies()), default=0)
     return any(
-        e.record.peer_id == peer_id and digest in e.record.manifests for e in fetcher.directory.providers()
+        e.record.peer_id == peer_id and digest in e.record.manifests
+        for e in fetcher.directory.providers(version)
     )
 
 

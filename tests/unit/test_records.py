@@ -114,6 +114,7 @@ def test_directory_reads_one_record_per_owner_key_and_no_far_expiry():
     directory.rejected.clear()  # the same records read as ``peers``: a trainer record there is out of place
     assert directory.peers() == []
     assert directory.rejected == {"bad_subkey": 21, "expiry_too_far": 1, "wrong_key_for_role": 1}
+    assert directory.records_read == 2 * 23 and directory.keys_read == 2  # parsed or not, each was read
     honest.cleanup()
     flooder.cleanup()
 
@@ -156,7 +157,7 @@ def test_fetches_share_one_provider_read_within_its_max_age():
 
     ident = load_or_create_identity(None)
     now = get_dht_time()
-    record = ProviderRecord(peer_id=ident.peer_id, versions=[1]).to_wire()
+    record = ProviderRecord(peer_id=ident.peer_id, versions=[1]).to_wire()  # K = 1: one key per version
     gets = []
 
     class FakeDht:
@@ -169,9 +170,11 @@ def test_fetches_share_one_provider_read_within_its_max_age():
             return future
 
     directory = SwarmDirectory(FakeDht(), SwarmKeys("r"), ident)
-    assert [e.record.peer_id for e in directory.providers(max_age=1.0)] == [ident.peer_id]
-    assert [e.record.peer_id for e in directory.providers(max_age=1.0)] == [ident.peer_id]
+    assert [e.record.peer_id for e in directory.providers(1, max_age=1.0)] == [ident.peer_id]
+    assert [e.record.peer_id for e in directory.providers(1, max_age=1.0)] == [ident.peer_id]
     assert len(gets) == 1
-    directory.providers()
+    directory.providers(1)
     assert len(gets) == 2
+    directory.providers(2, max_age=1.0)  # another version: another key, not the cached read
+    assert gets[-1] == SwarmKeys("r").providers(1, 0, 2) and len(gets) == 3
     ident.cleanup()

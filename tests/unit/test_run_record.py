@@ -58,6 +58,17 @@ def test_a_record_verifies_only_for_its_owner_run_and_bytes(people):
         rr.sign(rr.verify(signed.record, signed.signature, "r1", owner), people["stranger"])
 
 
+def test_a_record_carries_the_directorys_k_and_one_without_it_keeps_its_old_bytes(people):
+    signed = make(people)
+    record = rr.verify(signed.record, signed.signature, "r1", people["owner"].peer_id)
+    assert record.directory_buckets is None and b"directory_buckets" not in record.to_bytes()
+    sharded = record.model_copy(update={"directory_buckets": 64})
+    record_bytes, signature = rr.sign(sharded, people["owner"])
+    assert rr.verify(record_bytes, signature, "r1", people["owner"].peer_id).directory_buckets == 64
+    with pytest.raises(ValueError):
+        rr.RunRecord.model_validate({**record.model_dump(), "directory_buckets": 3})
+
+
 def test_run_trust_follows_the_newest_valid_record_and_ignores_forgeries(people):
     owner = people["owner"].peer_id
     t1, t2, stranger = (people[n].peer_id for n in ("t1", "t2", "stranger"))

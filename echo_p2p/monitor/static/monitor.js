@@ -116,7 +116,12 @@
       body.appendChild(tr);
     }
     const total = typeof sum.peers_total === "number" ? sum.peers_total : peers.length;
-    setText("peer-count", total > peers.length ? `(${peers.length} of ${total} shown)` : `(${total})`);
+    const dir = st.directory || {};
+    const unseen = typeof sum.peers_unseen === "number" ? sum.peers_unseen : 0;
+    const shown = total > peers.length ? `${peers.length} of ${total} shown` : `${total}`;
+    const notSeen = typeof dir.total === "number"
+      ? `; not seen: ~${unseen} (${fmt(dir.known)} of ${dir.total} directory buckets read)` : "";
+    setText("peer-count", `(${shown}${notSeen})`);
   }
 
   function svgEl(tag, attrs, text) {

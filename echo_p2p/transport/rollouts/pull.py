@@ -81,7 +81,7 @@ class SampleClient:
     """Trainer side of the sync pull (see the module doc). ``collect`` is synchronous, for one caller thread
     at a time (the training loop); its requests to several peers run concurrently in the ``P2PLoop``.
 
-    :param directory: anything with ``peers() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``)
+    :param directory: anything with ``peer_sample() -> list[Entry[PeerRecord]]`` (a ``SwarmDirectory``)
     :param accept: optional ``group -> bool`` run on each returned group (e.g. the trainer's validator);
         a group it refuses counts as not delivered and its prompt is asked again elsewhere
     :param is_banned: optional ``peer id -> bool``: banned peers are not asked (the trainer's ``SenderGuard``)
@@ -233,7 +233,7 @@ class SampleClient:
     def _refresh(self) -> None:
         self._refreshed_at = time.monotonic()
         try:
-            entries = self.directory.peers()
+            entries = self.directory.peer_sample()  # its bucket and a random one: O(N/K) records
         except Exception as exc:
             logger.info("reading the inference peer list failed: %s", exc)
             return

@@ -70,7 +70,12 @@ def test_peer_strings_are_cut_numbers_made_finite_and_the_result_is_strict_json(
     s = build_status(
         snap(
             peers=[
-                trainer(software_version=hostile, maddrs=["/ip4/1.2.3.4/tcp/1/" + "a" * 5000]),
+                # longer than a record may carry (``MAX_STR``): the status cuts it whatever the record says
+                entry(
+                    trainer(software_version=hostile).record.model_copy(
+                        update={"maddrs": ["/ip4/1.2.3.4/tcp/1/" + "a" * 5000]}
+                    )
+                ),
                 # records refuse inf/NaN (``allow_inf_nan=False``); the status does not rely on it
                 entry(
                     PeerRecord.model_construct(
@@ -156,12 +161,19 @@ class FakeDirectory:
         self.read_timeouts = 0
         self.request_timeout = 5.0
         self.rejected = {"malformed": 2}
+        self.buckets = 1
 
-    def everyone(self):
+    def use_run_record(self, trust):
+        pass
+
+    def trainers(self):
         if self.fail:
             raise BrokenPipeError("the DHT process is gone")
         self.read_timeouts += self.timeouts_per_read
         return [trainer()]
+
+    def peers(self, buckets):
+        return []
 
     def policies(self):
         return []

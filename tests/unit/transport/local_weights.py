@@ -106,7 +106,7 @@ def session_for(
         [receiving],
         config=cfg,
         endpoint=LocalEndpoint(peers),
-        directory=SimpleNamespace(providers=lambda max_age=0.0: []),
+        directory=SimpleNamespace(providers=lambda version, max_age=0.0: []),
         book=book,
         stats=stats,
         ban=ban,

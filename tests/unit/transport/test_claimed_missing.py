@@ -28,7 +28,7 @@ def empty_copy(served: ServedVersion, held: range = range(0)) -> ServedVersion:
 
 
 def announce(session: FetchSession, *records: ProviderRecord) -> None:
-    session.directory.providers = lambda max_age=0.0: [
+    session.directory.providers = lambda version, max_age=0.0: [
         Entry(record=r, expires_at=time.time() + 30) for r in records
     ]
 

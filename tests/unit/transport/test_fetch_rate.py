@@ -141,7 +141,9 @@ def with_slow_provider(verifier, mode: str, late: float = 0.0, **config):
         served, {PUB: publisher, SLOW: slow}, verifier, **{**RATE, "stall_timeout": 30.0, **config}
     )
     record = ProviderRecord(peer_id=SLOW, stream_id=served.manifest.stream_id, manifests=[served.digest])
-    session.directory.providers = lambda max_age=0.0: [Entry(record=record, expires_at=time.time() + 30)]
+    session.directory.providers = lambda version, max_age=0.0: [
+        Entry(record=record, expires_at=time.time() + 30)
+    ]
     return session, served, publisher, slow
 
 

@@ -71,7 +71,9 @@ async def test_chunks_handed_to_a_receiver_nobody_can_ask_are_fetched_without_th
 async def test_the_window_stays_while_another_provider_lists_the_version(verifier):
     session, _, served = setup(verifier)
     helper = ProviderRecord(peer_id="QmHelper", stream_id=served.manifest.stream_id, partial=[served.digest])
-    session.directory.providers = lambda max_age=0.0: [Entry(record=helper, expires_at=time.time() + 30)]
+    session.directory.providers = lambda version, max_age=0.0: [
+        Entry(record=helper, expires_at=time.time() + 30)
+    ]
     session.empty_picks[served.digest] = time.monotonic()
     await session._refresh_providers()
     assert (
@@ -83,7 +85,7 @@ async def test_the_window_stays_while_another_provider_lists_the_version(verifie
     assert fresh_for == session.cfg.publisher_fresh_window
 
     session.sched.sources["QmHelper"].forget(served.digest)  # not_held: it moved on, and its record says so
-    session.directory.providers = lambda max_age=0.0: []
+    session.directory.providers = lambda version, max_age=0.0: []
     session.empty_picks[served.digest] = time.monotonic()
     await session._refresh_providers()
     assert served.digest in session.sched.no_window

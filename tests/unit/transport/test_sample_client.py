@@ -20,7 +20,7 @@ def test_fake_fast_samplers_get_a_few_prompts_not_the_batch():
     most ``max_unproven_per_round`` others are tried per round, one prompt each."""
     honest = [sampler("QmHonestA", 300.0), sampler("QmHonestB", 100.0)]
     sybil = [sampler(f"QmSybil{i:03d}", 1e9) for i in range(200)]
-    directory = SimpleNamespace(peers=lambda: honest + sybil)
+    directory = SimpleNamespace(peer_sample=lambda: honest + sybil)
     client = SampleClient(SimpleNamespace(p2p=None), directory, SampleClientConfig(max_unproven_per_round=3))
 
     fresh = client._candidates(set())  # a fresh run: nobody delivered yet, a few are tried

@@ -101,6 +101,7 @@ class WeightFetcher:
         self._seen_untrusted: set[tuple[str, int]] = set()
         self._resume: dict[str, VersionAssembler] = {}  # partial stores of the last failed fetch
         self._partial: list[str] = []
+        self._fetching: int | None = None  # the version of ``_partial``: its slot is announced too
         self._stream_id: str | None = None
         self.reach = reach  # this node's announced addresses (set in start() when None)
         self._session: FetchSession | None = None
@@ -312,6 +313,7 @@ class WeightFetcher:
         if self.config.serve:
             entries = [self.endpoint.library.add(entry) for entry in entries]
             self._partial = [e.digest for e in entries if not e.complete]
+            self._fetching = record.version if self._partial else None
             self._stream_id = record.stream_id
             self._announce_soon()
         phases["announce"] = time.monotonic() - t_start - sum(phases.values())
@@ -418,7 +420,9 @@ class WeightFetcher:
         if self.reach is not None and self.reach.current()[1] == "unreachable":
             return False  # nobody could dial us: offering chunks would only cost others failed dials
         try:
-            return self.directory.announce_provider(self._provider_record(), self.config.record_ttl)
+            record = self._provider_record()
+            versions = [*record.versions[-1:], *([] if self._fetching is None else [self._fetching])]
+            return self.directory.announce_provider(record, self.config.record_ttl, versions)
         except Exception as exc:  # announcing is best effort; the heartbeat retries
             logger.debug("provider announcement failed: %r", exc)
             return False

@@ -180,7 +180,7 @@ class FetchSession:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            found = await loop.run_in_executor(None, self.directory.providers, max_age)
+            found = await loop.run_in_executor(None, self.directory.providers, self.record.version, max_age)
         except Exception as exc:
             logger.debug("reading providers failed: %r", exc)
             return
