@@ -101,7 +101,10 @@ class SwarmDirectory:
         return bucket_of(self.identity.peer_id, self.buckets)
 
     def use_run_record(self, trust) -> None:
-        """Take K from the run record ``trust`` (a ``RunTrust``) holds; 1 without one (nothing to agree on)."""
+        """Take K from the run record ``trust`` (a ``RunTrust``) holds; 1 without one (nothing to agree on).
+        No ``trust`` at all (a reader with no opinion on the run): K stays as the directory was made."""
+        if trust is None:
+            return
         record = getattr(trust, "record", None)
         k = getattr(record, "directory_buckets", None) or 1
         if k != self.buckets and k in ALLOWED_BUCKETS:

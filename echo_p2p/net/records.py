@@ -115,7 +115,10 @@ class OtherProtocolError(RecordError):
     """A record written by a peer of another protocol version: ignored, logged once."""
 
     def __init__(self, protocol: int):
-        super().__init__(f"record of protocol version {protocol} (this peer speaks {PROTOCOL_VERSION})")
+        super().__init__(
+            f"record of protocol version {protocol} (this peer speaks {PROTOCOL_VERSION}; "
+            "the peer with the older one must update echo_p2p)"
+        )
         self.protocol = protocol
 
 

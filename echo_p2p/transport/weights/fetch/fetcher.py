@@ -317,6 +317,7 @@ class WeightFetcher:
             self._stream_id = record.stream_id
             self._announce_soon()
         phases["announce"] = time.monotonic() - t_start - sum(phases.values())
+        self.directory.use_run_record(self.trusted)
         session = self._session = FetchSession(
             record,
             entries,
@@ -420,6 +421,7 @@ class WeightFetcher:
         if self.reach is not None and self.reach.current()[1] == "unreachable":
             return False  # nobody could dial us: offering chunks would only cost others failed dials
         try:
+            self.directory.use_run_record(self.trusted)  # the run record's K, as the role's directory
             record = self._provider_record()
             versions = [*record.versions[-1:], *([] if self._fetching is None else [self._fetching])]
             return self.directory.announce_provider(record, self.config.record_ttl, versions)
