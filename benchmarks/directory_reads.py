@@ -51,14 +51,18 @@ def fill(n: int, k: int, version: int) -> dict:
     for i in range(n):
         peer_id = f"Qm{i:044d}"
         maddrs = [f"/ip4/203.0.113.{i % 250}/tcp/31337/p2p/{peer_id}", f"/ip4/10.0.0.{i % 250}/tcp/31337"]
-        peer = PeerRecord(peer_id=peer_id, role="inference", mode="async", policy_version=version, maddrs=maddrs)
+        peer = PeerRecord(
+            peer_id=peer_id, role="inference", mode="async", policy_version=version, maddrs=maddrs
+        )
         provider = ProviderRecord(
             peer_id=peer_id, versions=[version - 1, version], maddrs=maddrs, manifests=["a" * 64] * 4
         )
         subkey = b"[owner:ssh-rsa " + b"A" * 372 + b"%d]" % i  # an RSA-2048 marker's length
         b = bucket_of(peer_id, k)
         data.setdefault(keys.peers(k, b), {})[subkey] = ValueWithExpiration(peer.to_wire(), exp)
-        data.setdefault(keys.providers(k, b, version), {})[subkey] = ValueWithExpiration(provider.to_wire(), exp)
+        data.setdefault(keys.providers(k, b, version), {})[subkey] = ValueWithExpiration(
+            provider.to_wire(), exp
+        )
     return data
 
 
@@ -69,6 +73,7 @@ def measure(n: int, k: int) -> dict:
     class SyntheticKeys(SwarmDirectory):
         def _parse(self, subkey, value, cls):
             return cls.from_wire(value)  # synthetic subkeys: no owner key to match the peer id against
+
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.keys import SwarmKeys
 

@@ -141,6 +141,13 @@ def test_owner_cli_signs_a_record_of_a_trainers_file_and_shows_it(people, tmp_pa
     assert f"join address: demo:{record.owner_peer_id()}@" in printed
     cli.main(["show", str(out)])
     assert '"serial": 7' in capsys.readouterr().out
+    assert record.directory_buckets is None  # no size given: one directory bucket
+    sharded = tmp_path / "big.record"
+    cli.main(
+        ["sign", "--owner-identity", str(owner_id), "--run-id", "demo", "--trainers", str(trainers)]
+        + ["--expected-peers", "5000", "--out", str(sharded)]
+    )
+    assert rr.read_file(sharded)[0].directory_buckets == 256  # 64 buckets would hold 80 peers each
     with pytest.raises(SystemExit):
         cli.main(
             [
