@@ -48,6 +48,9 @@ R = TypeVar("R", bound=WireRecord)
 #: it reads in one fall-back when those hold no other provider.
 PROVIDER_BUCKETS = 2
 PROVIDER_FALLBACK = 6
+#: A peer sample of fewer records reads further buckets, at most ``MAX_SAMPLE_KEYS`` keys in all.
+MIN_SAMPLE = 8
+MAX_SAMPLE_KEYS = 32
 #: (peer, protocol) pairs logged once each; a reader remembers at most this many (unchecked, attacker-chosen).
 MAX_WARNED = 4096
 
@@ -151,10 +154,19 @@ class SwarmDirectory:
             self._read_keys(keys, PeerRecord, NON_TRAINER_ROLES), key=lambda e: -e.record.updated_at
         )
 
-    def peer_sample(self, extra: int = 1) -> list[Entry[PeerRecord]]:
+    def peer_sample(self, extra: int = 1, at_least: int = MIN_SAMPLE) -> list[Entry[PeerRecord]]:
         """The records of this peer's own bucket and ``extra`` random others (each call draws again): what a
-        sync trainer picks samplers from and the peer cache remembers, O(N/K) records."""
-        return self.peers(reading_order(self.own_bucket(), self.buckets, self._rng)[: 1 + extra])
+        sync trainer picks samplers from and the peer cache remembers, O(N/K) records. Fewer than
+        ``at_least`` there (a run smaller than its K was chosen for): further buckets, twice as many each
+        time, up to ``MAX_SAMPLE_KEYS`` keys in all."""
+        order = reading_order(self.own_bucket(), self.buckets, self._rng)[:MAX_SAMPLE_KEYS]
+        read = min(len(order), 1 + extra)
+        entries = self.peers(order[:read])
+        while len(entries) < at_least and read < len(order):
+            batch = order[read : 2 * read]
+            entries += self.peers(batch)
+            read += len(batch)
+        return sorted(entries, key=lambda e: -e.record.updated_at)
 
     def trainers(self) -> list[Entry[PeerRecord]]:
         """Every valid, unexpired trainer record, newest first: only the writers this node was told to trust

@@ -94,8 +94,8 @@ def test_a_sync_trainer_or_peer_cache_reads_two_buckets_not_all(idents):
         assert ident.owner_key in dht.data[d.keys.peers(k, bucket_of(ident.peer_id, k))]
     per_bucket = Counter(bucket_of(i.peer_id, k) for i in idents)
     reader = directory(dht, idents[0], k)
-    sample = reader.peer_sample()
-    read = [key for key in dht.gets]
+    sample = reader.peer_sample(at_least=1)  # buckets full enough: two of them
+    read = list(dht.gets)
     assert len(read) == 2 and read[0] == reader.keys.peers(k, reader.own_bucket())
     read_buckets = [int(key.rsplit("/", 1)[1]) for key in read]
     assert reader.keys_read == 2
@@ -106,6 +106,10 @@ def test_a_sync_trainer_or_peer_cache_reads_two_buckets_not_all(idents):
     # everything, for tools: every bucket once
     assert {e.record.peer_id for e in reader.peers()} == {i.peer_id for i in idents}
     assert reader.keys_read == 2 + k
+    # a sample smaller than asked for (10 peers in 4 buckets, 11 wanted): every bucket, each once
+    reader.keys_read, dht.gets = 0, []
+    assert {e.record.peer_id for e in reader.peer_sample(at_least=11)} == {i.peer_id for i in idents}
+    assert reader.keys_read == k and len(set(dht.gets)) == k
 
 
 def test_a_fetcher_reads_the_slot_of_its_version_in_two_buckets_and_falls_back_when_they_hold_none(idents):
