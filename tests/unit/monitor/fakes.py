@@ -94,3 +94,35 @@ def status(peers: list[dict] | None = None, **overrides: Any) -> dict[str, Any]:
     }
     out.update(overrides)
     return out
+
+
+class FakeDirectory:
+    """A ``SwarmDirectory`` for ``read_snapshot``: one trainer, no other record; it can fail or time out."""
+
+    def __init__(self, fail: bool = False, timeouts: int = 0):
+        self.fail, self.timeouts_per_read = fail, timeouts
+        self.read_timeouts = 0
+        self.request_timeout = 5.0
+        self.rejected = {"malformed": 2}
+        self.buckets = 1
+
+    def use_run_record(self, trust):
+        pass
+
+    def trainers(self):
+        if self.fail:
+            raise BrokenPipeError("the DHT process is gone")
+        self.read_timeouts += self.timeouts_per_read
+        return [trainer()]
+
+    def peers(self, buckets):
+        return []
+
+    def policies(self):
+        return []
+
+    def ban_records(self):
+        return []
+
+    def run_records(self):
+        return []

@@ -12,13 +12,16 @@ from echo_p2p.net.buckets import bucket_of
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import PeerRecord
 from echo_p2p.swarm import format_table
+from tests.unit.monitor.fakes import FakeDirectory
 
 
-class BucketedDirectory:
-    """A directory of ``per_bucket`` inference peers in each of ``k`` buckets; counts the buckets read."""
+class BucketedDirectory(FakeDirectory):
+    """A directory of ``per_bucket`` inference peers in each of ``k`` buckets (no trainer); counts the
+    buckets read."""
 
     def __init__(self, k: int, per_bucket: int):
-        self.buckets, self.read_timeouts, self.request_timeout, self.rejected = k, 0, 5.0, {}
+        super().__init__()
+        self.buckets, self.rejected = k, {}
         self.by_bucket: dict[int, list[Entry]] = {b: [] for b in range(k)}
         i = 0
         while any(len(v) < per_bucket for v in self.by_bucket.values()):
@@ -29,20 +32,11 @@ class BucketedDirectory:
                 bucket.append(Entry(PeerRecord(peer_id=peer_id, role="inference"), time.time() + 60))
         self.reads: list[list[int]] = []
 
-    def use_run_record(self, trust):
-        pass
-
     def peers(self, buckets):
         self.reads.append(list(buckets))
         return [e for b in buckets for e in self.by_bucket[b]]
 
     def trainers(self):
-        return []
-
-    def policies(self):
-        return []
-
-    def ban_records(self):
         return []
 
 

@@ -16,6 +16,7 @@ from tests.unit.monitor.fakes import (
     INF_A,
     INF_B,
     TRAINER,
+    FakeDirectory,
     bans,
     entry,
     peer,
@@ -153,36 +154,6 @@ def test_run_header_comes_from_the_owners_record():
     }
     # no record: the mode the peers run in
     assert build_status(snap(peers=[trainer()]))["run"]["mode"] == "async"
-
-
-class FakeDirectory:
-    def __init__(self, fail: bool = False, timeouts: int = 0):
-        self.fail, self.timeouts_per_read = fail, timeouts
-        self.read_timeouts = 0
-        self.request_timeout = 5.0
-        self.rejected = {"malformed": 2}
-        self.buckets = 1
-
-    def use_run_record(self, trust):
-        pass
-
-    def trainers(self):
-        if self.fail:
-            raise BrokenPipeError("the DHT process is gone")
-        self.read_timeouts += self.timeouts_per_read
-        return [trainer()]
-
-    def peers(self, buckets):
-        return []
-
-    def policies(self):
-        return []
-
-    def ban_records(self):
-        return []
-
-    def run_records(self):
-        return []
 
 
 def test_read_snapshot_reports_dht_trouble_instead_of_raising():
