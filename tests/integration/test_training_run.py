@@ -242,13 +242,15 @@ def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tm
     (_, early), (_, late) = sorted(runs, key=lambda run: run[0])
     assert late[0]["version"] >= 5, late[0]  # its first step came after a catch-up, not from version 0
     assert late[-1]["catch_ups"] >= 1 and late[-1]["steps"] >= 5, late[-1]
-    # in step: the late trainer's first step (after its catch-up) is within 2 versions of the other's at that
-    # moment, and the other trains on after it joined. Not compared at the end: right after a join, the early
+    # in step: the late trainer's first step (after its catch-up) is within 5 versions of the other's at that
+    # moment (it holds the state it downloaded; the tiny model moves ~3 versions/s, and under load 9.8 its first
+    # step came 3 versions after the other's: 66 vs 69; from version 0 it would be dozens behind), and the
+    # other trains on after it joined. Not compared at the end: right after a join, the early
     # trainer's next averaging round can wait out averaging_timeout ("could not find a group", ~10 s) while the
     # late one steps alone, a few versions ahead by the time the test stops them (seen 2026-12-02, 98 vs 102)
     joined = late[0]["time"]
     early_then = max((x["version"] for x in early if x["time"] <= joined), default=0)
-    assert abs(late[0]["version"] - early_then) <= 2, (late[0]["version"], early_then)
+    assert abs(late[0]["version"] - early_then) <= 5, (late[0]["version"], early_then)
     assert early[-1]["time"] > joined and min(early[-1]["version"], late[-1]["version"]) >= 8
     assert sorted(x[-1]["publisher"] for x in (early, late)) == [False, True], "exactly one trainer publishes"
     logs = "".join((workdir / "logs" / f"trainer-{i}.log").read_text() for i in range(2))
