@@ -4,7 +4,6 @@ version exists), and merges nudges that come faster than NUDGE_GAP."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 from echo_p2p.transport.weights.fetch.config import FetcherConfig
@@ -12,21 +11,28 @@ from echo_p2p.transport.weights.fetch.fetcher import NUDGE_GAP, WeightFetcher
 
 
 def follower(poll_period: float) -> tuple[WeightFetcher, list[float]]:
-    fetcher = WeightFetcher.__new__(WeightFetcher)
-    fetcher.config = FetcherConfig(poll_period=poll_period)
-    fetcher._stop = threading.Event()
-    fetcher._nudged = threading.Event()
-    fetcher._threads = []
+    """A real fetcher, never started (no DHT: nothing here reads one), whose ``update`` only records when the
+    follower checked."""
+    from echo_p2p.guard.trust import TrustedTrainers
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+
+    fetcher = WeightFetcher(
+        None,
+        load_or_create_identity(None),
+        SwarmKeys("r"),
+        TrustedTrainers.from_keys([]),
+        FetcherConfig(poll_period=poll_period),
+        endpoint=object(),  # never served from: the follower's loop is what is tested
+    )
     checks: list[float] = []
     fetcher.update = lambda: checks.append(time.monotonic())
     return fetcher, checks
 
 
 def stop(fetcher: WeightFetcher) -> None:
-    fetcher._stop.set()
-    fetcher._nudged.set()
-    for thread in fetcher._threads:
-        thread.join(timeout=5)
+    fetcher.shutdown(timeout=5)
+    assert not fetcher._threads
 
 
 def test_a_nudge_makes_the_follower_check_now():
