@@ -93,7 +93,9 @@ async def get_manifests(
             if read_providers:
                 break
             read_providers = True  # the publisher did not give them all: ask providers that list them
-            providers = await asyncio.get_running_loop().run_in_executor(None, directory.providers)
+            providers = await asyncio.get_running_loop().run_in_executor(
+                None, directory.providers, record.version
+            )
             candidates += [
                 (e.record.peer_id, e.record.maddrs)
                 for e in providers
