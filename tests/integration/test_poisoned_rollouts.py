@@ -61,7 +61,6 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     attacker = editor = None
     started: list[psutil.Process] = []
     report, edit_report = tmp_path / "attacker.json", tmp_path / "editor.json"
-    editor_metrics = tmp_path / "editor-metrics"
     try:
         wait_until(
             lambda: (workdir / "bootstrap.maddrs").exists() or local.poll() is not None, 60, what="bootstrap"
@@ -77,15 +76,11 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         )
         editor = subprocess.Popen(
             [sys.executable, str(ATTACKER), "--attack", "edit", "--join", join, "--duration", "230"]
-            + ["--report", str(edit_report), "--metrics-dir", str(editor_metrics), "--seed", "7"],
+            + ["--report", str(edit_report), "--seed", "7"],
             stdout=open(tmp_path / "editor.log", "wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-
-        def editor_refused_as_banned() -> bool:
-            lines = [x for p in editor_metrics.glob("inference-*.jsonl") for x in read_metrics(str(p))]
-            return any(x.get("banned_by_trainers", 0) >= 1 for x in lines)
 
         def banned_and_learning() -> bool:
             for name, proc in (("local", local), ("attacker", attacker), ("editor", editor)):
@@ -93,7 +88,7 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
                     f"{name} exited: " + (tmp_path / f"{name}.log").read_text()[-3000:]
                 )
             judged = [x for x in trainer_lines(metrics) if "senders" in x]
-            if not judged or judged[-1]["senders"]["banned"] < 2 or not editor_refused_as_banned():
+            if not judged or judged[-1]["senders"]["banned"] < 2:
                 return False
             if (judged[-1].get("rejected") or {}).get("banned", 0) < 1:
                 return False  # no push refused for the ban yet: the attacker has not been told
@@ -143,12 +138,14 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     ]
     assert senders and senders[-1]["banned"] == 2 and senders[-1]["groups_over_gap"] >= 3, senders[-1:]
     # the editor: struck for completions that are not samples (its values are true: no other check can
-    # fire on it), banned, its pushes refused as banned; no honest inference peer was banned
+    # fire on it) and banned, as the trainer logs it; no honest inference peer was banned
     assert senders[-1].get("not_sampled_strikes", 0) >= 3, senders[-1]
     edits = json.loads(edit_report.read_text())["seen"]
-    assert edits["edited"] >= 1 and edits["pushes_refused"].get("banned", 0) >= 1, edits
-    honest = [x for p in metrics.glob("inference-*.jsonl") for x in read_metrics(str(p))]
-    assert honest and not any(x.get("banned_by_trainers") for x in honest)
+    assert edits["edited"] >= 1, edits
+    trainer_log = (workdir / "logs" / "trainer-0.log").read_text()
+    assert f"banned {edits['peer_id']}: its completions are not samples of the policy" in trainer_log
+    honest = [p.stem.removeprefix("inference-") for p in metrics.glob("inference-*.jsonl")]
+    assert len(honest) == 2 and not [p for p in honest if f"banned {p}" in trainer_log], honest
     # banned in the training step that judged its third made-up group: how many of its groups were
     # accepted before that depends on how long they waited in the buffer (time), not on the rule; the
     # groups waiting when it was banned were dropped
