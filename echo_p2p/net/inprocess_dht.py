@@ -36,6 +36,7 @@ class InProcessDHT:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._creating: concurrent.futures.Future | None = None  # the node's creation, held until done
         self._peer_id = None
 
     # ---- lifetime ------------------------------------------------------------------------------------
@@ -48,7 +49,10 @@ class InProcessDHT:
             self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dht-loop", daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._create(), self._loop)
+        # held: the event loop keeps only weak references to its tasks, so a task whose awaited future nobody
+        # else holds can be garbage-collected while pending ("Task was destroyed but it is pending!", then
+        # GeneratorExit inside DHTNode.create: a fresh-clone suite run's bootstrap died of it)
+        self._creating = asyncio.run_coroutine_threadsafe(self._create(), self._loop)
 
     async def _create(self) -> None:
         from hivemind.dht.node import DEFAULT_NUM_WORKERS, DHTNode
@@ -63,6 +67,8 @@ class InProcessDHT:
             )
         except BaseException as exc:
             logger.debug("the DHT node did not start: %r", exc)
+            if not isinstance(exc, Exception):  # GeneratorExit, CancelledError: a start error to the caller
+                exc = RuntimeError(f"the DHT node's start was interrupted: {exc!r}")
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
