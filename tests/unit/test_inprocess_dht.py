@@ -21,7 +21,7 @@ def test_a_start_ended_by_generator_exit_is_a_start_error(monkeypatch):
         assert dht._creating is not None  # held: a pending task only weakly referenced can be collected
         with pytest.raises(RuntimeError, match="start was interrupted"):
             dht.wait_until_ready(timeout=10)
-        assert dht._creating.done()
+        assert dht._creating.result(timeout=5) is None  # the creation ended (its error went to _ready)
     finally:
         dht.shutdown()
     assert not dht.is_alive()
