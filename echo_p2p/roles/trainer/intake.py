@@ -184,7 +184,6 @@ class AsyncIntake:
         self.prefix = prefix
         self.ingest = ingest
         self.pacer = pacer
-        self.rejected: Counter[str] = Counter()  # the ingest servicer counts async refusals
         self.recovered = 0  # groups read back from the journal and buffered again
         self.recovered_stale = 0  # groups read back from the journal, too stale by then
         self._pending: list = []  # taken from the buffer, not yet a whole batch
