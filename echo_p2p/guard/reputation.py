@@ -73,7 +73,7 @@ class ReputationConfig(BaseModel):
 
 @dataclass
 class _Sender:
-    recent: deque[bool]  # its last ``recent_groups`` groups: strike or not (a deque with that maxlen)
+    recent: deque[bool]  # its last ``recent_groups`` judgements: strike or not (a deque with that maxlen)
     strikes: deque[float] = field(default_factory=deque)  # wall-clock times of strikes within the window
     checked: int = 0
     failed: int = 0
@@ -86,9 +86,7 @@ class Reputation:
         self.config = config or ReputationConfig()
         self._senders: OrderedDict[str, _Sender] = OrderedDict()
         self._bans: dict[str, tuple[float, str]] = {}  # peer id -> (until, reason)
-        self._other_strikes: dict[
-            str, deque[float]
-        ] = {}  # peer id -> times of ``strike`` calls in the window
+        self._others: OrderedDict[str, _Sender] = OrderedDict()  # the other checks' judgements (``judged``)
         self._lock = threading.Lock()
         self.checked = 0
         self.failed = 0
@@ -101,52 +99,52 @@ class Reputation:
         if not sender or limit is None:
             return False
         now = time.time() if now is None else now
+        strike = gap > limit + allowance
         with self._lock:
-            stats = self._senders.get(sender)
-            if stats is None:
-                stats = self._senders[sender] = _Sender(deque(maxlen=self.config.recent_groups))
-                while len(self._senders) > self.config.max_tracked:
-                    self._senders.popitem(last=False)
-            self._senders.move_to_end(sender)
-            stats.checked += 1
             self.checked += 1
-            strike = gap > limit + allowance
-            stats.recent.append(strike)
-            if not strike:
-                return False
-            stats.failed += 1
-            self.failed += 1
-            stats.strikes.append(now)
-            while stats.strikes and stats.strikes[0] < now - self.config.window:
-                stats.strikes.popleft()
-            if len(stats.strikes) < self.config.strikes or self._banned_locked(sender, now):
-                return False
-            if sum(stats.recent) < self.config.ban_fraction * len(stats.recent):
-                return False  # the odd outlier among mostly honest groups
-            self._bans[sender] = (now + self.config.ban_seconds, "logprob_gap")
-            return True
+            self.failed += strike
+            return self._judge_locked(self._senders, sender, strike, "logprob_gap", now)
 
-    def strike(self, sender: str, reason: str, now: float | None = None, share: float = 1.0) -> bool:
-        """A strike against ``sender`` from another check than the log-prob gap (``reason``, e.g. a
-        ``guard.sampling_check`` alarm, which already weighed the sender's recent completions): ``strikes``
-        of them within ``window`` ban it, when ``share`` (the part of the sender's recent judgements that
-        were strikes, as the caller counts them) is at least ``ban_fraction``; True when this bans it."""
+    def judged(self, sender: str, struck: bool, reason: str, now: float | None = None) -> bool:
+        """One judgement of ``sender`` by another check than the log-prob gap (``reason``, e.g. a training
+        step's ``guard.sampling_check`` alarms, which already weighed the sender's recent completions), a
+        strike or not; its strikes ban it as the gap check's do (``strikes`` within ``window``, at least
+        ``ban_fraction`` of its last ``recent_groups`` such judgements). True when this bans it."""
         if not sender:
             return False
         now = time.time() if now is None else now
         with self._lock:
-            times = self._other_strikes.setdefault(sender, deque())
-            times.append(now)
-            while times and times[0] < now - self.config.window:
-                times.popleft()
-            while len(self._other_strikes) > self.config.max_tracked:
-                del self._other_strikes[next(iter(self._other_strikes))]
-            if len(times) < self.config.strikes or self._banned_locked(sender, now):
-                return False
-            if share < self.config.ban_fraction:
-                return False  # a burst among mostly clean judgements: the policy moved, not the sender
-            self._bans[sender] = (now + self.config.ban_seconds, reason[:32])
-            return True
+            return self._judge_locked(self._others, sender, struck, reason, now)
+
+    def strike(self, sender: str, reason: str, now: float | None = None) -> bool:
+        """A strike against ``sender`` from another check than the log-prob gap: ``judged`` with a strike."""
+        return self.judged(sender, True, reason, now)
+
+    def _judge_locked(
+        self, table: OrderedDict[str, _Sender], sender: str, struck: bool, reason: str, now: float
+    ) -> bool:
+        """Record a judgement in ``sender``'s entry of ``table`` (bounded) and ban it when its strikes are
+        ``strikes`` within ``window`` and at least ``ban_fraction`` of its recent judgements."""
+        stats = table.get(sender)
+        if stats is None:
+            stats = table[sender] = _Sender(deque(maxlen=self.config.recent_groups))
+            while len(table) > self.config.max_tracked:
+                table.popitem(last=False)
+        table.move_to_end(sender)
+        stats.checked += 1
+        stats.recent.append(struck)
+        if not struck:
+            return False
+        stats.failed += 1
+        stats.strikes.append(now)
+        while stats.strikes and stats.strikes[0] < now - self.config.window:
+            stats.strikes.popleft()
+        if len(stats.strikes) < self.config.strikes or self._banned_locked(sender, now):
+            return False
+        if sum(stats.recent) < self.config.ban_fraction * len(stats.recent):
+            return False  # the odd outlier among mostly clean judgements (a policy that moved, not a liar)
+        self._bans[sender] = (now + self.config.ban_seconds, reason[:32])
+        return True
 
     def ban(self, sender: str, until: float, reason: str, now: float | None = None) -> bool:
         """Ban ``sender`` until ``until`` (wall clock, capped at ``ban_seconds`` from now); True if new."""

@@ -14,7 +14,7 @@ trainers shares none: anyone could ban an honest peer). Every DHT call is bounde
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from typing import Any
 
 from echo_p2p.guard.drift import PolicyDrift
@@ -43,8 +43,6 @@ class SenderGuard:
         self.trust = trust
         self.counters: Counter[str] = Counter()
         self._published: tuple = ()
-        #: per sender, whether each of the last batches that judged its samples struck it (bounded)
-        self._sample_history: OrderedDict[str, deque[bool]] = OrderedDict()
 
     def is_banned(self, sender: str) -> bool:
         return self.reputation.is_banned(sender)
@@ -96,9 +94,9 @@ class SenderGuard:
         judged); an alarm is a strike (``not_sampled``); returns the senders banned by it.
 
         At most one strike per sender per batch (the rest of its completions in the batch are not fed once
-        its detector alarmed), and a ban also needs strikes in at least ``ban_fraction`` of the last
-        ``recent_groups`` batches that judged the sender (as the gap check needs them on that share of its
-        groups). Alarms are not independent evidence when the policy itself just moved far (an update the
+        its detector alarmed): each batch is one judgement of the sender (``Reputation.judged``), whose ban
+        needs strikes in at least ``ban_fraction`` of its last ``recent_groups`` judgements, as the gap check
+        needs them on that share of its groups. Alarms are not independent evidence when the policy itself just moved far (an update the
         drift allowance underestimates): a local run whose policy was shaken by an editor's groups struck
         each honest sampler 4-12 times within one second and banned both. An editor alarms in every batch
         once the policy has learned, so it is still banned at its third."""
@@ -106,30 +104,19 @@ class SenderGuard:
             return []
         banned: list[str] = []
         struck: set[str] = set()
-        judged: set[str] = set()
+        judged: dict[str, None] = {}  # senders in the order first seen
         for scored, group_scores, allowance in zip(groups, scores, allowances, strict=False):
             sender = scored.group.sampler_peer_id
             if allowance is None or sender in struck:
                 continue
-            judged.add(sender)
-            for score in group_scores:
-                if not self.samples.observe(sender, score, allowance):
-                    continue
+            judged[sender] = None
+            if any(self.samples.observe(sender, score, allowance) for score in group_scores):
                 struck.add(sender)
-                break
         for sender in judged:
-            history = self._sample_history.pop(sender, None) or deque(
-                maxlen=self.reputation.config.recent_groups
-            )
-            self._sample_history[sender] = history  # most recent last: the least recent are forgotten
-            history.append(sender in struck)
-            while len(self._sample_history) > self.reputation.config.max_tracked:
-                self._sample_history.popitem(last=False)
-            if sender not in struck:
-                continue
-            self.counters["not_sampled_strikes"] += 1
-            logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
-            if self.reputation.strike(sender, "not_sampled", share=sum(history) / len(history)):
+            if sender in struck:
+                self.counters["not_sampled_strikes"] += 1
+                logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
+            if self.reputation.judged(sender, sender in struck, "not_sampled"):
                 banned.append(sender)
                 self._drop(sender, "banned")
                 logger.warning("banned %s: its completions are not samples of the policy", sender)
