@@ -49,7 +49,7 @@ class ReputationConfig(BaseModel):
         default=3,
         ge=1,
         description="Strikes within ``window`` that ban a sender, when they are also at least ``ban_fraction`` "
-        "of its last ``recent_groups`` groups",
+        "of its last ``recent_groups`` groups (other checks: ``recent_judgements``)",
     )
     ban_fraction: float = Field(
         default=0.5,
@@ -63,8 +63,15 @@ class ReputationConfig(BaseModel):
     recent_groups: int = Field(
         default=100,
         ge=1,
-        description="A sender's last groups (the sample check: last training steps that judged it) over which "
-        "``ban_fraction`` is taken",
+        description="A sender's last groups over which the gap check's ``ban_fraction`` is taken",
+    )
+    recent_judgements: int = Field(
+        default=20,
+        ge=1,
+        description="The other checks (the sample check judges a sender once per training step that trained on "
+        "its groups): its last judgements over which ``ban_fraction`` is taken. Shorter than ``recent_groups``: "
+        "an editor looks clean until the policy it edits has learned (docs/security.md), and a long clean "
+        "history made it wait for 50 strikes",
     )
     window: float = Field(default=600.0, gt=0, description="Seconds a strike counts")
     ban_seconds: float = Field(default=1800.0, gt=0, le=86400, description="How long a ban lasts")
@@ -73,7 +80,9 @@ class ReputationConfig(BaseModel):
 
 @dataclass
 class _Sender:
-    recent: deque[bool]  # its last ``recent_groups`` judgements: strike or not (a deque with that maxlen)
+    recent: deque[
+        bool
+    ]  # its last judgements, strike or not (``recent_groups`` or ``recent_judgements`` long)
     strikes: deque[float] = field(default_factory=deque)  # wall-clock times of strikes within the window
     checked: int = 0
     failed: int = 0
@@ -109,7 +118,7 @@ class Reputation:
         """One judgement of ``sender`` by another check than the log-prob gap (``reason``, e.g. a training
         step's ``guard.sampling_check`` alarms, which already weighed the sender's recent completions), a
         strike or not; its strikes ban it as the gap check's do (``strikes`` within ``window``, at least
-        ``ban_fraction`` of its last ``recent_groups`` such judgements). True when this bans it."""
+        ``ban_fraction`` of its last ``recent_judgements`` such judgements). True when this bans it."""
         if not sender:
             return False
         now = time.time() if now is None else now
@@ -127,7 +136,8 @@ class Reputation:
         ``strikes`` within ``window`` and at least ``ban_fraction`` of its recent judgements."""
         stats = table.get(sender)
         if stats is None:
-            stats = table[sender] = _Sender(deque(maxlen=self.config.recent_groups))
+            recent = self.config.recent_groups if table is self._senders else self.config.recent_judgements
+            stats = table[sender] = _Sender(deque(maxlen=recent))
             while len(table) > self.config.max_tracked:
                 table.popitem(last=False)
         table.move_to_end(sender)

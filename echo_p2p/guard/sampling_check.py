@@ -31,7 +31,7 @@ Two decisions use the tail score:
   completions), and on average no sooner than after ``1 / false_alarm_rate`` completions (Lorden). Each alarm is a strike
   (``Reputation.strike``, reason ``not_sampled``) and resets the detector; ``strikes`` alarms within the
   window ban the sender through the usual path, at most one per training step and only when they came in
-  at least ``ban_fraction`` of the recent steps that judged it (``guard.sender_guard``: a policy shaken
+  at least ``ban_fraction`` of the last ``recent_judgements`` steps that judged it (``guard.sender_guard``: a policy shaken
   for a few steps struck honest samplers in bursts).
 
 What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks

@@ -95,11 +95,13 @@ class SenderGuard:
 
         At most one strike per sender per batch (the rest of its completions in the batch are not fed once
         its detector alarmed): each batch is one judgement of the sender (``Reputation.judged``), whose ban
-        needs strikes in at least ``ban_fraction`` of its last ``recent_groups`` judgements, as the gap check
-        needs them on that share of its groups. Alarms are not independent evidence when the policy itself just moved far (an update the
-        drift allowance underestimates): a local run whose policy was shaken by an editor's groups struck
-        each honest sampler 4-12 times within one second and banned both. An editor alarms in every batch
-        once the policy has learned, so it is still banned at its third."""
+        needs strikes in at least ``ban_fraction`` of its last ``recent_judgements`` judgements, as the gap
+        check needs them on that share of its groups. Alarms are not independent evidence when the policy
+        itself just moved far (an update the drift allowance underestimates): a local run whose policy was
+        shaken by an editor's groups struck each honest sampler 4-12 times within one second and banned
+        both. An editor alarms in most batches once the policy has learned: banned at its third strike, or,
+        after a clean stretch (before the policy learned there was little to edit), once its strikes are
+        half of its recent batches."""
         if self.samples is None:
             return []
         banned: list[str] = []

@@ -76,7 +76,14 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         )
         editor = subprocess.Popen(
             [sys.executable, str(ATTACKER), "--attack", "edit", "--join", join, "--duration", "230"]
-            + ["--report", str(edit_report), "--seed", "7"],
+            + [
+                "--report",
+                str(edit_report),
+                "--seed",
+                "7",
+                "--metrics-dir",
+                str(tmp_path / "editor-metrics"),
+            ],
             stdout=open(tmp_path / "editor.log", "wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -95,7 +102,18 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
             summary = summarize(Runs.load(metrics))  # what summary.json will say; twice the reward margin
             return summary.steps >= 20 and summary.reward_final > summary.reward_first + 0.1
 
-        wait_until(banned_and_learning, 200, 1, "both bans and 20 steps of a rising reward")
+        try:
+            wait_until(banned_and_learning, 200, 1, "both bans and 20 steps of a rising reward")
+        except AssertionError as timed_out:  # what the trainer and the editor saw, to tell why
+            steps = [x for x in trainer_lines(metrics) if "step" in x]
+            seen = [
+                {k: x.get(k) for k in ("step", "reward_mean", "excluded_not_sampled", "senders", "rejected")}
+                for x in steps[:: max(1, len(steps) // 12)] + steps[-1:]
+            ]
+            pushed = [x for p in (tmp_path / "editor-metrics").glob("*.jsonl") for x in read_metrics(str(p))][
+                -1:
+            ]
+            raise AssertionError(f"{timed_out}\ntrainer: {seen}\neditor: {pushed}") from None
         for name, proc in (("attacker", attacker), ("editor", editor)):
             proc.send_signal(signal.SIGTERM)  # it writes its report, then exits
             assert proc.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]

@@ -256,7 +256,11 @@ def test_a_burst_of_alarms_bans_a_sender_whose_recent_batches_were_clean_only_if
         groups = [SimpleNamespace(group=SimpleNamespace(sampler_peer_id=s)) for s in senders]
         return groups, [[object(), object()] for _ in senders], [0.0] * len(senders)
 
-    guard = SenderGuard(ReputationConfig(strikes=3, recent_groups=20), "me", sampling=SamplingCheckConfig())
+    guard = SenderGuard(
+        ReputationConfig(strikes=3, recent_groups=1000, recent_judgements=20),
+        "me",
+        sampling=SamplingCheckConfig(),
+    )
     guard.samples = Alarms()
     for _ in range(12):  # the honest sampler's clean history
         assert guard.judge_samples(*batch("honest", "honest")) == []
