@@ -176,10 +176,12 @@ class CollabOptimizerConfig(BaseModel):
         "trainers sooner at the cost of DHT traffic.",
     )
     progress_expiration: float = Field(
-        default=30.0,
+        default=10.0,
         gt=0,
-        description="Lifetime (s) of a trainer's progress record: a trainer that vanished stops being "
-        "counted (and waited for) after this long.",
+        description="Lifetime (s) of a trainer's progress record (re-stored at every step and at least every "
+        "half of this): a trainer killed or cut off stops being counted, and its averaging rounds waited for, "
+        "after this long (at 30 s a killed trainer stalled the other one's versions for 30 s: "
+        "tests/integration/test_churn.py, docs/reliability.md).",
     )
     client_mode: bool | None = Field(
         default=None,
