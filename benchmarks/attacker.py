@@ -25,7 +25,8 @@ joins the run's DHT from its join address, finds the trainers in the directory a
 * ``slow-late``, ``slow-drip``, ``slow-never``: a weight provider that follows the run's trusted trainers (it
   fetches each new version like an inference peer), lists what it holds, and serves it valid but slowly:
   each chunk 25 s after its turn (just inside the receivers' old 30 s per-chunk timeout), at 1,280 bytes/s,
-  or never;
+  or never; ``follow`` is their control: the same follower, serving at full speed (an honest provider: what
+  the slow ones cost beyond their own processes is their arm's rate against this one's);
 * ``edit``: a real inference peer of the run (``--join``: it holds each policy version from the run's
   trusted trainers, samples with it and pushes as an honest one does) that appends a two-letter marker before
   EOS to every right answer it samples and sends the edited completions with their true rewards (re-scored by
@@ -132,7 +133,7 @@ class Attacker:
                 return self._idle()
             if attack == "sybil":
                 return self._sybil()
-            if attack.startswith("slow-"):
+            if attack.startswith("slow-") or attack == "follow":
                 return self._slow_provider(attack.removeprefix("slow-"))
             return self._push_attack(attack)
         finally:
@@ -262,6 +263,8 @@ class Attacker:
 
     # ---- attacks on the weights' distribution ----------------------------------------------------------
     def _slow_provider(self, mode: str) -> dict:
+        """A weight provider that follows the run; ``mode`` late, drip or never throttles what it serves,
+        ``follow`` does not (the control)."""
         from echo_p2p.guard.trust import RunTrust
         from echo_p2p.transport.weights.fetch.config import FetcherConfig
         from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
@@ -285,7 +288,8 @@ class Attacker:
         async def slow(nbytes: int) -> None:  # before each part it sends
             await asyncio.sleep(pause[mode](nbytes))
 
-        servicer._throttle = slow
+        if mode != "follow":
+            servicer._throttle = slow
         fetcher.follow()
         try:
             self.stop.wait(max(0.0, deadline - time.monotonic()))
@@ -532,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         choices=[
             *("poison", "oversized", "heavy", "flood", "ghost", "idle", "sybil", "tarpit", "edit"),
-            *("slow-late", "slow-drip", "slow-never"),
+            *("slow-late", "slow-drip", "slow-never", "follow"),
         ],
     )
     p.add_argument("--duration", type=float, default=60.0)

@@ -18,7 +18,8 @@ two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over
 
 Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,idle,poison,oversized,heavy,flood,ghost,
 idle,baseline] [--out PATH]`` (``slow-late``, ``slow-drip``, ``slow-never``: a weight provider that serves valid
-chunks slowly) (about 1.5 minutes per arm; ``x base`` is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
+chunks slowly; ``follow``, their control: the same provider serving at full speed, so that ``x follow`` is
+what the slowness costs apart from a follower's own processes on these cores) (about 1.5 minutes per arm; ``x base`` is to the mean of the baseline arms). Writes JSON to ``--out``. The machine is shared and noisy:
 compare arms of the same run only.
 """
 
@@ -43,7 +44,7 @@ ROOT = HERE.parent
 SYBIL_KEYS = 300
 ARMS = (
     *("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit"),
-    *("slow-late", "slow-drip", "slow-never"),
+    *("slow-late", "slow-drip", "slow-never", "follow"),
 )
 
 
@@ -165,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         rates = [r["steps_per_minute"] for r in rows if r["arm"] == arm]
         return sum(rates) / len(rates) if rates and sum(rates) > 0 else None
 
-    base, idle = mean_rate("baseline"), mean_rate("idle")
+    base, idle, follow = mean_rate("baseline"), mean_rate("idle"), mean_rate("follow")
     print(
-        f"\n{'arm':<10} {'steps':>6} {'steps/min':>10} {'x base':>7} {'x idle':>7} {'roll/s':>7} {'reward':>7}"
-        f" {'bans':>4}  attacker saw"
+        f"\n{'arm':<10} {'steps':>6} {'steps/min':>10} {'x base':>7} {'x idle':>7} {'x follow':>8} {'roll/s':>7}"
+        f" {'reward':>7} {'bans':>4}  attacker saw"
     )
     for r in rows:
         ratio = r["steps_per_minute"] / base if base else None
@@ -177,11 +178,15 @@ def main(argv: list[str] | None = None) -> None:
         ratio_idle = r["steps_per_minute"] / idle if idle and r["arm"] != "baseline" else None
         r["ratio_to_baseline"] = round(ratio, 3) if ratio is not None else None
         r["ratio_to_idle"] = round(ratio_idle, 3) if ratio_idle is not None else None
+        # x follow (slow providers): against an honest provider that follows the run the same way
+        ratio_follow = r["steps_per_minute"] / follow if follow and r["arm"].startswith("slow-") else None
+        r["ratio_to_follow"] = round(ratio_follow, 3) if ratio_follow is not None else None
         seen = ", ".join(f"{k} {v}" for k, v in sorted(r["attacker_saw"].items(), key=lambda kv: -kv[1])[:4])
         print(
             f"{r['arm']:<10} {r['steps']:>6} {r['steps_per_minute']:>10.1f} "
             f"{'-' if ratio is None else format(ratio, '.2f'):>7} "
-            f"{'-' if ratio_idle is None else format(ratio_idle, '.2f'):>7} {r['rollouts_per_second']:>7.1f} "
+            f"{'-' if ratio_idle is None else format(ratio_idle, '.2f'):>7} "
+            f"{'-' if ratio_follow is None else format(ratio_follow, '.2f'):>8} {r['rollouts_per_second']:>7.1f} "
             f"{'-' if r['reward_final'] is None else format(r['reward_final'], '.3f'):>7} "
             f"{r['senders_banned']:>4}  {seen}"
         )
