@@ -34,7 +34,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import wait_until
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 ATTACKER = Path(__file__).resolve().parents[2] / "benchmarks" / "attacker.py"
 
 
@@ -52,7 +52,7 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     metrics = workdir / "metrics"
     # --duration and the attacker's are deadlines: both are stopped once the trainer has seen it all
     local = subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.local", "--duration", "260", "--status-period", "30"]
+        [sys.executable, "-m", "echo_p2p.local", "--duration", "400", "--status-period", "30"]
         + ["--workdir", str(workdir)],
         stdout=open(tmp_path / "local.log", "wb"),
         stderr=subprocess.STDOUT,
@@ -68,14 +68,14 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         record, _, _ = read_file(workdir / "run-record.bin")
         join = f"{record.run_id}:{record.owner_peer_id()}@{(workdir / 'bootstrap.maddrs').read_text().split()[0]}"
         attacker = subprocess.Popen(
-            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "230"]
+            [sys.executable, str(ATTACKER), "--attack", "poison", "--join", join, "--duration", "370"]
             + ["--report", str(report)],
             stdout=open(tmp_path / "attacker.log", "wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         editor = subprocess.Popen(
-            [sys.executable, str(ATTACKER), "--attack", "edit", "--join", join, "--duration", "230"]
+            [sys.executable, str(ATTACKER), "--attack", "edit", "--join", join, "--duration", "370"]
             + [
                 "--report",
                 str(edit_report),
@@ -103,7 +103,10 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
             return summary.steps >= 20 and summary.reward_final > summary.reward_first + 0.1
 
         try:
-            wait_until(banned_and_learning, 200, 1, "both bans and 20 steps of a rising reward")
+            # the editor is banned once the policy has learned (before, its edits cannot be told from
+            # samples): ~110 s on an idle machine, 190 s beside the NAT tests on 2 cores (first step 37 s
+            # after launch, 0.8 steps/s), so the wait ends on the condition and has room for that
+            wait_until(banned_and_learning, 320, 1, "both bans and 20 steps of a rising reward")
         except AssertionError as timed_out:  # what the trainer and the editor saw, to tell why
             steps = [x for x in trainer_lines(metrics) if "step" in x]
             seen = [
