@@ -80,9 +80,8 @@ class ReputationConfig(BaseModel):
 
 @dataclass
 class _Sender:
-    recent: deque[
-        bool
-    ]  # its last judgements, strike or not (``recent_groups`` or ``recent_judgements`` long)
+    # its last judgements, strike or not (a deque ``recent_groups`` or ``recent_judgements`` long)
+    recent: deque[bool]
     strikes: deque[float] = field(default_factory=deque)  # wall-clock times of strikes within the window
     checked: int = 0
     failed: int = 0
@@ -112,7 +111,9 @@ class Reputation:
         with self._lock:
             self.checked += 1
             self.failed += strike
-            return self._judge_locked(self._senders, sender, strike, "logprob_gap", now)
+            return self._judge_locked(
+                self._senders, self.config.recent_groups, sender, strike, "logprob_gap", now
+            )
 
     def judged(self, sender: str, struck: bool, reason: str, now: float | None = None) -> bool:
         """One judgement of ``sender`` by another check than the log-prob gap (``reason``, e.g. a training
@@ -123,20 +124,28 @@ class Reputation:
             return False
         now = time.time() if now is None else now
         with self._lock:
-            return self._judge_locked(self._others, sender, struck, reason, now)
+            return self._judge_locked(
+                self._others, self.config.recent_judgements, sender, struck, reason, now
+            )
 
     def strike(self, sender: str, reason: str, now: float | None = None) -> bool:
         """A strike against ``sender`` from another check than the log-prob gap: ``judged`` with a strike."""
         return self.judged(sender, True, reason, now)
 
     def _judge_locked(
-        self, table: OrderedDict[str, _Sender], sender: str, struck: bool, reason: str, now: float
+        self,
+        table: OrderedDict[str, _Sender],
+        recent: int,
+        sender: str,
+        struck: bool,
+        reason: str,
+        now: float,
     ) -> bool:
-        """Record a judgement in ``sender``'s entry of ``table`` (bounded) and ban it when its strikes are
-        ``strikes`` within ``window`` and at least ``ban_fraction`` of its recent judgements."""
+        """Record a judgement in ``sender``'s entry of ``table`` (bounded), which keeps its last ``recent``
+        judgements, and ban it when its strikes are ``strikes`` within ``window`` and at least
+        ``ban_fraction`` of those."""
         stats = table.get(sender)
         if stats is None:
-            recent = self.config.recent_groups if table is self._senders else self.config.recent_judgements
             stats = table[sender] = _Sender(deque(maxlen=recent))
             while len(table) > self.config.max_tracked:
                 table.popitem(last=False)
