@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -394,11 +395,18 @@ def _requantize(module: Any, weight: torch.Tensor, device: torch.device | str) -
         raise TypeError(f"not a bitsandbytes linear layer: {type(module).__name__}")
 
 
+def _bnb_linear_types() -> tuple[type, ...]:
+    """bitsandbytes' quantised linear layer types, or () while bitsandbytes is not imported: a model that
+    holds such layers was built by code that imported it, and importing it only to test a full-precision
+    model (every trainer, most inference peers) would cost ~1 CPU-s at start."""
+    bnb = sys.modules.get("bitsandbytes")
+    return (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit) if bnb is not None else ()
+
+
 def is_quantized(model: PreTrainedModel) -> bool:
     """True when ``model`` holds bitsandbytes 8-bit or 4-bit linear layers."""
-    import bitsandbytes as bnb
-
-    return any(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in model.modules())
+    types = _bnb_linear_types()
+    return bool(types) and any(isinstance(m, types) for m in model.modules())
 
 
 def load_weights_(
@@ -419,11 +427,7 @@ def load_weights_(
     """
     import torch
 
-    bnb_types: tuple[type, ...] = ()
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        import bitsandbytes as bnb
-
-        bnb_types = (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)
+    bnb_types = _bnb_linear_types()
 
     # name -> (module, attribute), tied aliases included; one target per distinct tensor.
     slots: dict[str, tuple[Any, str]] = {}

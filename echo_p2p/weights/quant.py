@@ -5,7 +5,7 @@ cutting of the payload stream into chunks (`Chunker`) and reading it back across
 bitsandbytes blockwise 8-bit quantizer, and the one dequantization formula (``code[q] * absmax``) that both
 the publisher's shadow and every receiver use, so that both sides reconstruct bit-identical weights.
 Called only by `echo_p2p.weights.codec`. Works on CPU tensors; must not import hivemind. bitsandbytes is
-imported lazily (on first quantization), not at import time.
+imported lazily, by the publisher's first quantization only: decoding needs only the map (`dynamic_code`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,19 @@ def check_byteorder() -> None:
 
 @functools.lru_cache(maxsize=1)
 def dynamic_code() -> torch.Tensor:
-    """bitsandbytes' standard signed dynamic 8-bit map (256 float32 values); it is not sent on the wire."""
-    from bitsandbytes.functional import create_dynamic_map
-
-    return create_dynamic_map(signed=True).to(torch.float32)
+    """The signed dynamic 8-bit map (256 float32 values, ascending) that int8 codes index; it is part of the
+    wire format, not sent on it. Dettmers, "8-Bit Approximations for Parallelism in Deep Learning"
+    (arXiv 1511.04561): for each exponent e = 10^-6 .. 10^0, 2^i evenly spaced fractions of it, both signs,
+    then 0 and 1. It is bitsandbytes' ``create_dynamic_map(signed=True)``, value for value (a unit test
+    compares them, and `quantize_blockwise` checks the map bitsandbytes quantises with): built here so that a
+    receiver decodes without importing bitsandbytes (~1 CPU-s at a peer's start)."""
+    values: list[float] = []
+    for i in range(7):
+        boundaries = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        values += ((10 ** (i - 6)) * means).tolist() + (-(10 ** (i - 6)) * means).tolist()
+    values += [0.0, 1.0]
+    return torch.tensor(sorted(values), dtype=torch.float32)
 
 
 def round_to_serving_grid_(params: Iterator[torch.Tensor], dtype: str) -> int:

@@ -142,6 +142,23 @@ def test_load_weights_into_full_precision_model_and_its_checks(tiny):
     assert snapshot.keys() == full_precision_state_dict(target).keys()
 
 
+def test_a_full_precision_peer_never_imports_bitsandbytes():
+    """Importing bitsandbytes costs ~1 CPU-s; a peer without quantised layers (every trainer, most inference
+    peers) loads and swaps weights without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from echo_p2p.ml.models import build_tiny_policy, full_precision_state_dict, load_weights_\n"
+        "model, _ = build_tiny_policy(seed=0)\n"
+        "load_weights_(model, full_precision_state_dict(build_tiny_policy(seed=1)[0]))\n"
+        "print('BNB' if 'bitsandbytes' in sys.modules else 'NO-BNB')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "NO-BNB", out.stdout + out.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_smollm2_preset_loads_and_answers():
     pytest.importorskip("gguf")

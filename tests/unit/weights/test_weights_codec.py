@@ -81,6 +81,27 @@ def test_bf16_round_trip_is_exact_to_the_cast():
         assert torch.equal(weights.tensors[name], t.to(torch.bfloat16))
 
 
+def test_the_code_map_is_bitsandbytes_map_and_decoding_needs_no_bitsandbytes():
+    """The int8 code map is built here, value for value bitsandbytes' ``create_dynamic_map(signed=True)``
+    (what its quantizer indexes), so a receiver decodes an int8 version without importing bitsandbytes."""
+    import subprocess
+    import sys
+
+    from bitsandbytes.functional import create_dynamic_map
+
+    assert torch.equal(dynamic_code(), create_dynamic_map(signed=True).to(torch.float32))
+    code = (
+        "import sys, torch\n"
+        "from echo_p2p.weights.quant import add_dequantized_\n"
+        "target = torch.zeros(8)\n"
+        "add_dequantized_(target, torch.tensor([2.0]), torch.arange(0, 256, 32, dtype=torch.uint8), 8)\n"
+        "print(target.tolist(), 'BNB' if 'bitsandbytes' in sys.modules else 'NO-BNB')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("NO-BNB"), out.stdout + out.stderr[-2000:]
+    assert out.stdout.split("]")[0] + "]" == str((dynamic_code()[::32] * 2).tolist())
+
+
 def test_int8_snapshot_error_is_bounded_per_block():
     model = tiny_model(0)
     blocksize = 256
