@@ -6,6 +6,8 @@ and keep one state.
   ``link_timeouts`` (deadlines for a link speed) and ``shutdown_optimizer``.
 - ``sync``: ``SyncedOptimizer``, the lineage check on every gradient round that keeps the trainers' parameters
   and Adam statistics identical (a trainer off the round's reference downloads the whole state).
+- ``progress``: ``PacedProgressTracker``, hivemind's progress record, stored at every step only while other
+  trainers need it (a lone trainer: once per ``lone_progress_interval``).
 
 Used by the trainer peer (``roles/trainer/peer.py``); the settings live in ``echo_p2p.config``. Losses are
 computed in ``echo_p2p.train``, weights published by ``echo_p2p.transport.weights``. Nothing is imported

@@ -183,6 +183,14 @@ class CollabOptimizerConfig(BaseModel):
         "after this long (at 30 s a killed trainer stalled the other one's versions for 30 s: "
         "tests/integration/test_churn.py, docs/reliability.md).",
     )
+    lone_progress_interval: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="While a trainer knows of no other trainer, fewest seconds between two stores of its "
+        "progress record (otherwise: every step, as hivemind does; 0: every step always). A newcomer reads "
+        "an epoch at most this old, then downloads the actual state (docs/protocol.md).",
+    )
     client_mode: bool | None = Field(
         default=None,
         description="Do not accept incoming averaging connections and do not serve state (behind NAT); "
@@ -294,6 +302,7 @@ def make_collab_optimizer(
         averager_opts=dict(request_timeout=config.request_timeout),
         grad_averager_opts=dict(request_timeout=config.request_timeout),
         tracker_opts=tracker_opts,
+        lone_progress_interval=config.lone_progress_interval,
         shutdown_timeout=config.shutdown_timeout,
         verbose=config.verbose,
     )

@@ -35,7 +35,8 @@ round they share. ``in_sync`` tells whether this trainer's last transition was s
 
 The download is bounded: one attempt of at most ``load_state_timeout`` seconds per step (hivemind's own
 ``load_state_from_peers`` retries forever). It also fixes hivemind 1.1.12 ignoring ``client_mode`` (it
-replaces any explicit value by the DHT's).
+replaces any explicit value by the DHT's), and stores a lone trainer's progress record less often
+(``echo_p2p.collab.progress``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
+
+from echo_p2p.collab.progress import PacedProgressTracker
 
 logger = logging.getLogger(__name__)
 
@@ -199,11 +202,13 @@ class SyncedOptimizer(hivemind.Optimizer):
         client_mode: bool | None = None,
         grad_averager_opts: dict[str, Any] | None = None,
         leaving: threading.Event | None = None,
+        lone_progress_interval: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if "grad_averager_factory" in kwargs:
             raise TypeError("SyncedOptimizer builds its own gradient averager: pass grad_averager_opts")
         self._client_mode = dht.client_mode if client_mode is None else bool(client_mode)
+        self._lone_progress_interval = lone_progress_interval
         # set when the trainer leaves: a gradient round still waited for is abandoned (the trainer applies its
         # own gradients and its step returns) instead of waiting out ``averaging_timeout``
         self.leaving = leaving if leaving is not None else threading.Event()
@@ -221,9 +226,18 @@ class SyncedOptimizer(hivemind.Optimizer):
         self._publish_tag()
 
     # ---- construction: honour client_mode (hivemind 1.1.12 overwrites an explicit value) ----
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any):
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> PacedProgressTracker:
         self.client_mode = self._client_mode  # the first factory hivemind calls
-        return super()._make_progress_tracker(target_batch_size, **kwargs)
+        return PacedProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            lone_interval=self._lone_progress_interval,
+            start=True,
+            **kwargs,
+        )
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         return _TaggedStateAverager(
