@@ -1,10 +1,11 @@
-"""The co-located baseline: the real CLI learns ``count`` with the tiny preset, and its config guards."""
+"""The co-located baseline's config guards, its standalone and KL paths, and its lean ``--help``. That its
+CLI learns ``count`` with the tiny preset is checked through the launcher that runs it, in
+``test_training_run.py`` (``local --colocated``)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,51 +13,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
-
-STEPS = 150  # lr 1e-3: 0.07-0.09 at step 50, 0.64-0.89 at step 100 (seeds 0-2)
-WINDOW = 20
-
-
-def test_colocated_cli_reward_rises_on_count(tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "echo_p2p.colocated",
-            "--task",
-            "count",
-            "--steps",
-            str(STEPS),
-            "--metrics-dir",
-            str(tmp_path),
-            "--threads",
-            "1",  # on a shared 2-core machine one thread is faster than two
-            "--seed",
-            "1",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = read_metrics(str(tmp_path / "colocated-baseline.jsonl"))
-    records = [r for r in lines if "step" in r]  # held-out evaluations write lines of their own
-    assert [r["step"] for r in records] == list(range(STEPS))
-    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
-    first = sum(r["reward_mean"] for r in records[:WINDOW]) / WINDOW
-    last = sum(r["reward_mean"] for r in records[-WINDOW:]) / WINDOW
-    print(
-        f"colocated: reward first-{WINDOW} {first:.3f}, last-{WINDOW} {last:.3f}, {time.monotonic() - t0:.1f}s"
-    )
-    assert last > first + 0.3, (first, last)
-    r = records[-1]
-    assert r["rollouts"] == 16 and r["completions"] == 256 and r["rollouts_consumed"] == 16 * STEPS
-    assert r["role"] == "colocated" and r["sampling_s"] > 0 and r["training_s"] > 0
-    assert r["wall_s"] >= sum(x["sampling_s"] + x["training_s"] for x in records) * 0.99
-    assert "reward_first=" in out.stdout
+pytestmark = [pytest.mark.timeout(150)]
 
 
 def test_help_does_not_import_torch() -> None:

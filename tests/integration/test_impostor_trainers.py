@@ -57,7 +57,18 @@ def test_impostor_and_ghost_trainers_neither_publish_nor_receive_rollouts(procs,
 
     _, maddr = procs.bootstrap("--run-record", str(record_file))
     metrics = tmp_path / "metrics"
-    common = ("--threads", "1", "--metrics-dir", str(metrics), "--heartbeat-period", "1")
+    config = tmp_path / "peer.yaml"
+    config.write_text("metrics_period: 2\n")  # the waits below read the peers' metrics lines
+    common = (
+        "--threads",
+        "1",
+        "--metrics-dir",
+        str(metrics),
+        "--heartbeat-period",
+        "1",
+        "--config",
+        str(config),
+    )
     # the ghost: one trainer record, the longest lifetime a record may have, then its writer is gone. The
     # bootstrap knows the run's trainers (its run record) and refuses it: only the ghost's own node kept it
     ghost_dht = start_dht(NetworkConfig(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"]), ghost)

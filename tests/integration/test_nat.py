@@ -66,7 +66,10 @@ def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(t
             assert boot.poll() is None and time.monotonic() < deadline, (logs / "bootstrap.log").read_text()
             time.sleep(0.2)
         bootstrap = next(m for m in maddrs_file.read_text().split() if boot_host.address in m)
+        config = tmp_path / "peer.yaml"
+        config.write_text("metrics_period: 2\n")  # the wait below reads the peers' metrics lines
         common = ["--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--metrics-dir", str(metrics), "--threads", "1"]
+        common += ["--config", str(config)]
         common += ["--heartbeat-period", "2", "--mode", mode]
         procs = {
             "trainer": lab.spawn(

@@ -51,9 +51,11 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     workdir = tmp_path / "run"
     metrics = workdir / "metrics"
     # --duration and the attacker's are deadlines: both are stopped once the trainer has seen it all
+    config = tmp_path / "peer.yaml"
+    config.write_text("metrics_period: 2\n")  # the wait below reads the trainer's metrics lines
     local = subprocess.Popen(
         [sys.executable, "-m", "echo_p2p.local", "--duration", "400", "--status-period", "30"]
-        + ["--workdir", str(workdir)],
+        + ["--workdir", str(workdir), f"--peer-args=--config {config}"],
         stdout=open(tmp_path / "local.log", "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -78,6 +78,9 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm_in_sync_mode(tmp_pa
 
 
 def test_local_colocated_baseline_reports_like_the_swarm(tmp_path):
+    """The co-located baseline (``echo_p2p.colocated``, one process alternating sampling and training), run
+    as the launcher runs it: it learns ``count`` with the tiny preset until ``--until-reward``, one step per
+    version, and its records add up; it reports as the swarm does (summary, figure, held-out evaluations)."""
     workdir = tmp_path / "colo"
     proc = subprocess.run(
         [sys.executable, "-m", "echo_p2p.local", "--colocated", "--duration", "120", "--until-reward", "0.3"]
@@ -92,7 +95,24 @@ def test_local_colocated_baseline_reports_like_the_swarm(tmp_path):
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["kind"] == "colocated" and summary["reward_final"] >= 0.3
     lines = read_metrics(str(next((workdir / "metrics").glob("colocated-*.jsonl"))))
-    assert summary["steps"] == len([x for x in lines if x.get("event") != "eval"])
+    records = [x for x in lines if x.get("event") != "eval"]
+    assert summary["steps"] == len(records)
+    assert [r["step"] for r in records] == list(range(len(records)))
+    assert [r["version"] for r in records] == list(range(1, len(records) + 1))
+    first, last = (
+        mean([r["reward_mean"] for r in records[:20]]),
+        mean([r["reward_mean"] for r in records[-20:]]),
+    )
+    assert last > first + 0.2 and summary["reward_final"] > summary["reward_first"] + 0.25, (
+        first,
+        last,
+        summary,
+    )
+    r = records[-1]
+    assert r["rollouts"] == 16 and r["completions"] == 256 and r["rollouts_consumed"] == 16 * len(records)
+    assert r["role"] == "colocated" and r["sampling_s"] > 0 and r["training_s"] > 0
+    assert r["wall_s"] >= sum(x["sampling_s"] + x["training_s"] for x in records) * 0.99
+    assert "reward_first=" in (workdir / "logs" / "colocated.log").read_text()
     assert (workdir / "reward.png").stat().st_size > 5000
     evals = eval_lines(workdir / "metrics", "colocated")  # evaluated as the publishing trainer does
     assert evals and evals[0]["eval_version"] == 0 and summary["evaluations"] == len(evals)
@@ -190,9 +210,12 @@ def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tm
     workdir = tmp_path / "run2"
     metrics = workdir / "metrics"
     log = tmp_path / "local.log"
+    config = tmp_path / "peer.yaml"
+    config.write_text("metrics_period: 2\n")  # the wait below reads the inference peer's metrics lines
     proc = subprocess.Popen(
         [sys.executable, "-m", "echo_p2p.local", "--trainers", "2", "--trainer-delay", "10"]
-        + ["--inference", "1", "--duration", "150", "--status-period", "15", "--workdir", str(workdir)],
+        + ["--inference", "1", "--duration", "150", "--status-period", "15", "--workdir", str(workdir)]
+        + [f"--peer-args=--config {config}"],
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
