@@ -114,7 +114,8 @@ def main() -> None:
         str(workdir),
     ]
     cmd += shlex.split(args.local_args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    launcher_log = workdir / "launcher.log"
+    proc = subprocess.Popen(cmd, stdout=open(launcher_log, "wb"), stderr=subprocess.STDOUT)
     kinds: dict[int, str] = {}
     threads: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> (name, cpu s at the last read)
     first: dict[tuple[int, int], float] = {}  # cpu s at the first read after the first step
@@ -140,8 +141,10 @@ def main() -> None:
                 threads[key] = (st[1], st[2])
                 if started is not None and key not in first:
                     first[key] = st[2] if time.monotonic() - started < 1.5 else 0.0
-    ended = time.monotonic()
-    span = ended - started if started is not None else float("nan")
+    if started is None:  # e.g. a --local-args value the launcher refused: say so instead of a table of nan
+        tail = launcher_log.read_text(errors="replace")[-3000:]
+        sys.exit(f"the local run (exit {proc.returncode}) never made a first training step:\n{tail}")
+    span = time.monotonic() - started
 
     by_kind: dict[str, float] = defaultdict(float)
     by_thread: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
