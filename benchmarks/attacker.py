@@ -151,9 +151,13 @@ class Attacker:
             edited = 0  # completions edited
 
             def _sample(self, prompt_ids, n, max_new_tokens=None):
-                return [self._edit_group(g) for g in super()._sample(prompt_ids, n, max_new_tokens)]
+                return self._edit_groups(super()._sample(prompt_ids, n, max_new_tokens))
 
-            def _edit_group(self, group):
+            def _edit_groups(self, groups):
+                """Every right answer of ``groups`` gets the marker; the edited completions' log-probs under
+                the policy held are computed in one padded forward pass (one pass per completion made the
+                editor ~60x slower than an honest peer once the policy answered right, so its groups arrived
+                too stale to be judged, and a loaded suite run never banned it)."""
                 import torch
 
                 from echo_p2p.ml.engine import process_logits
@@ -162,30 +166,39 @@ class Attacker:
 
                 marker = self.tokenizer.convert_tokens_to_ids(["z", "q"])
                 eos = set(self.engine.eos_token_ids)
-                comps = []
-                for comp in group.completions:
-                    ids = list(comp.token_ids)
-                    if comp.claimed_reward < 1.0 or not ids or ids[-1] not in eos:
-                        comps.append(comp)  # only right answers, which end with EOS
-                        continue
-                    ids = ids[:-1] + marker + ids[-1:]
-                    seq = torch.tensor([list(group.prompt_token_ids) + ids])
-                    with self._engine_lock, torch.inference_mode():  # the policy held, as when sampled
-                        logits = self.engine.model(input_ids=seq).logits[
-                            0, len(group.prompt_token_ids) - 1 : -1
-                        ]
-                        logps = process_logits(logits.float(), self.params).gather(
-                            1, seq[0, -len(ids) :, None]
-                        )
+                edits = []  # (group index, completion index, prompt ids, edited completion ids)
+                for gi, group in enumerate(groups):
+                    for ci, comp in enumerate(group.completions):
+                        ids = list(comp.token_ids)
+                        if (
+                            comp.claimed_reward >= 1.0 and ids and ids[-1] in eos
+                        ):  # right answers end with EOS
+                            edits.append((gi, ci, list(group.prompt_token_ids), ids[:-1] + marker + ids[-1:]))
+                if not edits:
+                    return groups
+                seqs = [prompt + ids for _, _, prompt, ids in edits]
+                width = max(len(x) for x in seqs)
+                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
+                input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in seqs])
+                mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
+                with self._engine_lock, torch.inference_mode():  # the policy held, as when sampled
+                    logits = self.engine.model(input_ids=input_ids, attention_mask=mask).logits
+                completions = [list(g.completions) for g in groups]
+                for row, (gi, ci, prompt, ids) in enumerate(edits):
+                    start = len(prompt)
+                    step_logits = logits[row, start - 1 : start - 1 + len(ids)]
+                    logps = process_logits(step_logits.float(), self.params).gather(
+                        1, torch.tensor(ids)[:, None]
+                    )
                     text = decode_completion(self.tokenizer, ids)
-                    reward = self.task.score_batch([group.prompt_id], [text], completion_ids=[ids])[0]
-                    comps.append(
-                        Completion(
-                            token_ids=ids, logprobs=logps[:, 0].tolist(), claimed_reward=reward, finished=True
-                        )
+                    reward = self.task.score_batch([groups[gi].prompt_id], [text], completion_ids=[ids])[0]
+                    completions[gi][ci] = Completion(
+                        token_ids=ids, logprobs=logps[:, 0].tolist(), claimed_reward=reward, finished=True
                     )
                     self.edited += 1
-                return group.model_copy(update={"completions": comps})
+                return [
+                    g.model_copy(update={"completions": c}) for g, c in zip(groups, completions, strict=True)
+                ]
 
         argv = [
             "--role",
