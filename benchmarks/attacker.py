@@ -170,9 +170,8 @@ class Attacker:
                 for gi, group in enumerate(groups):
                     for ci, comp in enumerate(group.completions):
                         ids = list(comp.token_ids)
-                        if (
-                            comp.claimed_reward >= 1.0 and ids and ids[-1] in eos
-                        ):  # right answers end with EOS
+                        # only right answers, which end with EOS
+                        if comp.claimed_reward >= 1.0 and ids and ids[-1] in eos:
                             edits.append((gi, ci, list(group.prompt_token_ids), ids[:-1] + marker + ids[-1:]))
                 if not edits:
                     return groups
@@ -183,15 +182,18 @@ class Attacker:
                 mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
                 with self._engine_lock, torch.inference_mode():  # the policy held, as when sampled
                     logits = self.engine.model(input_ids=input_ids, attention_mask=mask).logits
+                rewards = self.task.score_batch(
+                    [groups[gi].prompt_id for gi, _, _, _ in edits],
+                    [decode_completion(self.tokenizer, ids) for _, _, _, ids in edits],
+                    completion_ids=[ids for _, _, _, ids in edits],
+                )
                 completions = [list(g.completions) for g in groups]
-                for row, (gi, ci, prompt, ids) in enumerate(edits):
+                for row, ((gi, ci, prompt, ids), reward) in enumerate(zip(edits, rewards, strict=True)):
                     start = len(prompt)
                     step_logits = logits[row, start - 1 : start - 1 + len(ids)]
                     logps = process_logits(step_logits.float(), self.params).gather(
                         1, torch.tensor(ids)[:, None]
                     )
-                    text = decode_completion(self.tokenizer, ids)
-                    reward = self.task.score_batch([groups[gi].prompt_id], [text], completion_ids=[ids])[0]
                     completions[gi][ci] = Completion(
                         token_ids=ids, logprobs=logps[:, 0].tolist(), claimed_reward=reward, finished=True
                     )

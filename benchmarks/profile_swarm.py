@@ -115,7 +115,8 @@ def main() -> None:
     ]
     cmd += shlex.split(args.local_args)
     launcher_log = workdir / "launcher.log"
-    proc = subprocess.Popen(cmd, stdout=open(launcher_log, "wb"), stderr=subprocess.STDOUT)
+    with open(launcher_log, "wb") as log:  # the launcher holds its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     kinds: dict[int, str] = {}
     threads: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> (name, cpu s at the last read)
     first: dict[tuple[int, int], float] = {}  # cpu s at the first read after the first step
