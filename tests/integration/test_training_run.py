@@ -236,11 +236,16 @@ def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tm
         # step, a loaded machine's first step came later than the delay and the late trainer started at 1)
         assert late[0]["version"] >= 5, late[0]
         inference = [x for p in metrics.glob("inference-*.jsonl") for x in read_metrics(str(p))]
+        # the election has settled: the newest status lines of the two trainers name one publisher (each
+        # re-elects on its heartbeat from the other's record; a fresh-clone run stopped 11 s after the join
+        # with both publishing, its metrics written every 2 s)
+        publishing = [[x["publisher"] for x in lines if "publisher" in x][-1:] for lines in files]
         return (
             late[-1]["catch_ups"] >= 1
             and late[-1]["steps"] >= 5
             and min(early[-1]["version"], late[-1]["version"]) >= 8
             and max((x["version"] or 0 for x in inference), default=0) >= 5
+            and sorted(sum(publishing, [])) == [False, True]
         )
 
     try:
