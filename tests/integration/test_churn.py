@@ -102,7 +102,11 @@ def test_a_killed_publisher_is_replaced_the_run_outlives_its_bootstrap_and_the_t
     killed.add(publisher.peer_id)
     wait_until(lambda: publishes(other.peer_id, killed_at), 30, 0.5, "the other trainer to publish")
     failover_s = newest_line(metrics, other.peer_id, "publisher", killed_at)["time"] - killed_at
-    wait_until(lambda: inference_version(killed_at) > before + 3, 60, 1, "versions after the failover")
+    try:  # a fetch in flight from the killed publisher ends after no_provider_timeout (publisher_gone)
+        wait_until(lambda: inference_version(killed_at) > before + 3, 60, 1, "versions after the failover")
+    except AssertionError as exc:  # what each side did meanwhile
+        tails = {name: read_log(p)[-2500:] for name, p in [("inference", inference), *trainers.items()]}
+        raise AssertionError(f"{exc}: {json.dumps(tails, indent=1)}") from None
 
     # 2. SIGKILL the bootstrap: training and publishing go on
     boot_killed_at = time.time()

@@ -129,3 +129,55 @@ async def test_a_fetch_ends_promptly_when_the_fetcher_stops(verifier):
     with pytest.raises(FetchError) as info:
         await asyncio.wait_for(session.run(), 5)
     assert info.value.reason == "stopped" and time.monotonic() - t0 < 2
+
+
+async def test_a_publisher_that_died_mid_fetch_ends_it_after_no_provider_timeout(verifier):
+    # the publisher was killed after the manifests came: every dial fails. Before: the publisher (never
+    # dropped) was retried until no_progress_timeout, 60 s, while another trainer published newer versions
+    session, _, _ = setup(verifier, no_provider_timeout=0.5)
+
+    async def refused(*args, **kwargs):
+        raise ConnectionRefusedError("failed to dial: connection refused")
+
+    session.endpoint.open_chunk_stream = refused
+    t0 = time.monotonic()
+    with pytest.raises(FetchError) as info:
+        await asyncio.wait_for(session.run(), 10)
+    assert info.value.reason == "publisher_gone", info.value
+    assert time.monotonic() - t0 < 5
+    assert session.sched.sources[PUB].failures >= 1
+
+
+async def test_a_publisher_that_fails_while_a_peer_holds_the_rest_does_not_end_the_fetch(verifier):
+    session, _, served = setup(verifier, no_provider_timeout=0.3, provider_refresh=0.05)
+    session.endpoint.peers["QmPeer"] = servicer_of(served)
+    helper = ProviderRecord(peer_id="QmPeer", stream_id=served.manifest.stream_id, manifests=[served.digest])
+    listed_from = time.monotonic() + 0.2  # the publisher is asked (and fails) before the peer is known
+    session.directory.providers = lambda version, max_age=0.0: (
+        [Entry(record=helper, expires_at=time.time() + 30)] if time.monotonic() > listed_from else []
+    )
+    serve = session.endpoint.open_chunk_stream
+
+    async def publisher_gone(peer_id, request, timeout):
+        if peer_id == PUB:
+            raise ConnectionRefusedError("failed to dial: connection refused")
+        await asyncio.sleep(0.5)  # the peer is slow: the publisher has failed for longer by then
+        return await serve(peer_id, request, timeout)
+
+    session.endpoint.open_chunk_stream = publisher_gone
+    await asyncio.wait_for(session.run(), 10)
+    assert session.entries[served.digest].store.is_complete()
+    publisher = session.sched.sources[PUB]
+    assert publisher.failures >= 1 and publisher.failing_for(time.monotonic()) > 0.3  # not given up
+
+
+def test_an_answer_resets_how_long_a_provider_has_been_failing():
+    s = Source("QmA", [])
+    assert s.failing_for(10.0) == 0.0
+    s.failed(10.0)
+    s.failed(12.0)
+    assert s.failing_for(15.0) == 5.0 and s.failures == 2
+    s.answered()
+    assert s.failing_for(15.0) == 0.0
+    s.failed(20.0)
+    assert s.failing_for(21.0) == 1.0

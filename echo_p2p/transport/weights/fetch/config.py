@@ -92,7 +92,9 @@ class FetcherConfig(BaseModel):
         default=10.0,
         gt=0,
         description="Give up a fetch after this long with nobody left to ask for a manifest of it (a version "
-        "the publisher dropped from its chain fails at once: version_dropped)",
+        "the publisher dropped from its chain fails at once: version_dropped), or after this long of "
+        "failed requests to the publisher while no other provider lists what is missing (publisher_gone: "
+        "killed or cut off; kept chunks are reused next time)",
     )
     no_progress_timeout: float = Field(
         default=60.0,

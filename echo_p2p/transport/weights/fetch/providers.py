@@ -44,6 +44,7 @@ class Source:
         self.fetching_since: dict[str, dict[int, float]] = {}  # when each "fetching" claim was first seen
         self.inflight = 0
         self.failures = 0
+        self.failing_since: float | None = None  # its first failure since it last answered (monotonic)
         self.dropped = False
         self.busy_until = 0.0
         self.next_have = 0.0
@@ -61,6 +62,7 @@ class Source:
             "dropped": self.dropped,
             "in_flight": self.inflight,
             "failures": self.failures,
+            "failing_for": self.failing_for(now),
             "busy_for": max(0.0, self.busy_until - now),
             "complete": len(self.complete),
             "partial": len(self.partial),
@@ -68,6 +70,20 @@ class Source:
             "denied": {d[:12]: len(h) for d, h in self.denied.items()},
             "rate": self.rate,
         }
+
+    def failed(self, now: float) -> None:
+        """A request to it failed (an error or a timeout, no answer)."""
+        self.failures += 1
+        if self.failing_since is None:
+            self.failing_since = now
+
+    def answered(self) -> None:
+        """It answered a request (chunks, a chunk map, or a refusal: it is there)."""
+        self.failing_since = None
+
+    def failing_for(self, now: float) -> float:
+        """Seconds every request to it has failed (0 while it answers)."""
+        return 0.0 if self.failing_since is None else now - self.failing_since
 
     def lists(self, digest: str) -> bool:
         """Whether it may still serve chunks of ``digest`` (complete, or partial and not gone since)."""

@@ -5,7 +5,8 @@ polls partial providers' chunk maps, opens the streams ``scheduler.ChunkSchedule
 ``reader.read_stream`` run each, and turns each outcome into counters, a retry elsewhere, a back-off, a
 drop for the rest of the fetch or a ban (through the ``ban`` callback it is given); it ends a fetch that
 cannot complete (``version_dropped`` at once when the publisher no longer serves a manifest of the chain,
-``no_providers`` when nobody alive lists one, ``no_progress``, ``timeout``, ``stopped``). A peer provider
+``no_providers`` when nobody alive lists one, ``publisher_gone`` when the publisher has failed every request
+for ``no_provider_timeout`` and nobody else lists what is missing, ``no_progress``, ``timeout``, ``stopped``). A peer provider
 whose chunk misses its rate deadline (``reader.StreamLimits``) is dropped, skipped, and banned when it does
 so repeatedly (``_drop_slow``); the scheduler has hedged its late chunks by then. Its collaborators
 are passed in: the endpoint (dials and streams), the directory (provider records), the ``ProviderBook``
@@ -163,6 +164,7 @@ class FetchSession:
                         raise FetchError("no_providers", "every provider failed or none holds the version")
                 else:
                     lonely_since = None
+                self._check_publisher(now)
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=0.1)
@@ -173,6 +175,23 @@ class FetchSession:
                 task.cancel()
             for entry in self.entries.values():
                 entry.fetching.clear()
+
+    def _check_publisher(self, now: float) -> None:
+        """End the fetch when the publisher has failed every request for ``no_provider_timeout`` and no
+        other live provider lists what is missing: it is gone (killed, cut off), and waiting on would hold
+        this fetch until ``no_progress_timeout`` (60 s) while another trainer publishes newer versions. The
+        publisher that only answers slowly or ``busy`` is waited for (an answer resets the clock)."""
+        publisher = self.sched.sources.get(self.record.peer_id)
+        if publisher is None or publisher.failing_for(now) <= self.cfg.no_provider_timeout:
+            return
+        others = [s for s in self.sched.alive() if not s.publisher]
+        if any(self.sched.missing[d] and any(s.lists(d) for s in others) for d in self.sched.order):
+            return
+        raise FetchError(
+            "publisher_gone",
+            f"the publisher failed every request for {publisher.failing_for(now):.0f} s "
+            f"({publisher.failures} failures) and no other provider holds the rest",
+        )
 
     # ---- providers ------------------------------------------------------------------------------------
     async def _refresh_providers(self, max_age: float = 0.0) -> None:
@@ -244,6 +263,7 @@ class FetchSession:
                 else:
                     s.have[digest] = bitmap_indices(response.bitmap, n)
                     s.note_fetching(digest, bitmap_indices(response.fetching, n), time.monotonic())
+                s.answered()
         except Exception as exc:
             self._fail(s, "have_error", exc)
         finally:
@@ -265,6 +285,8 @@ class FetchSession:
 
     def _settle(self, outcome: StreamOutcome) -> None:
         s, digest, failure = outcome.ask.source, outcome.ask.digest, outcome.failure
+        if failure is None or failure.kind in ("remote", "violation") or outcome.received:
+            s.answered()  # it is there (a refusal or bad data are judged below, not as silence)
         if failure is None:
             if outcome.ask.pick and not outcome.state.done:  # all handed out just now: ask who got them
                 s.busy_until = time.monotonic() + self.cfg.have_period
@@ -312,7 +334,7 @@ class FetchSession:
 
     def _fail(self, s: Source, reason: str, exc: BaseException) -> None:
         self.stats.failures[reason] += 1
-        s.failures += 1
+        s.failed(time.monotonic())
         logger.info("provider %s: %s (%r)", s.peer_id[-8:], reason, exc)
         if (
             s.publisher
