@@ -17,18 +17,21 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 from echo_p2p.metrics import peak_rss_mib
 from echo_p2p.roles.base import BasePeer
 from echo_p2p.roles.trainer.catchup import CatchUp
-from echo_p2p.roles.trainer.election import elect_publisher
+from echo_p2p.roles.trainer.election import elect_publisher, version_rate
 from echo_p2p.roles.trainer.weights import params_finite, reload_last_good, start_on_serving_grid
 from echo_p2p.train.config import DerivedSettings
 from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
 
 logger = logging.getLogger(__name__)
+
+#: Recent steps kept for the status figures and the election's pace (``version_rate``: 30 s of them).
+REWARD_HISTORY = 512
 
 
 def trainer_derived_settings(config: Any, tokenizer: Any) -> DerivedSettings:
@@ -59,7 +62,8 @@ class TrainerPeer(BasePeer):
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
-        self.reward_history: list[tuple[float, int, float]] = []  # (time, version, mean reward)
+        # (time, version, mean reward) of the recent steps: status figures and the election's pace
+        self.reward_history: deque[tuple[float, int, float]] = deque(maxlen=REWARD_HISTORY)
         self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
@@ -358,7 +362,12 @@ class TrainerPeer(BasePeer):
         except Exception:
             entries = []
         return elect_publisher(
-            self.peer_id, [e.record for e in entries], self.trust, self.policy_version or 0
+            self.peer_id,
+            [e.record for e in entries],
+            self.trust,
+            self.policy_version or 0,
+            rate=version_rate([(t, v) for t, v, _ in list(self.reward_history)]),  # a copy: steps append
+            now=time.time(),
         )
 
     def on_heartbeat(self) -> None:
@@ -412,7 +421,7 @@ class TrainerPeer(BasePeer):
     # ---- announcements and metrics ----------------------------------------------------------------------
     def role_fields(self) -> dict[str, Any]:
         elapsed = max(1e-9, time.monotonic() - self._work_started)
-        recent = [reward for _, _, reward in self.reward_history[-10:]]
+        recent = [reward for _, _, reward in list(self.reward_history)[-10:]]
         intake = self.intake
         return {
             "free_buffer_room": intake.free_room() if intake is not None else 0,

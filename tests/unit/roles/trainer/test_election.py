@@ -72,3 +72,78 @@ def test_a_trainer_still_at_the_initial_weights_never_takes_publishing_from_one_
     # a run where nobody moved yet: the smallest id publishes version 0, as before
     records[0] = PeerRecord(peer_id=early, role="trainer", policy_version=0)
     assert elect_publisher(late, records, trust, version=0) and not elect_publisher(early, records, trust, 0)
+
+
+def test_trainers_in_step_agree_whichever_record_each_read_fresher():
+    """Records are stored once a heartbeat: a trainer may read its own record fresh beside the other's from
+    a heartbeat ago, and the other trainer the mirror image. At 5 versions a second and 3 s apart, the one
+    with the older record trails by 15 versions. Without the records' times each reader judged the other
+    behind: both published (seen in the late-trainer run: ``publisher: True`` on both for 11 s), or in the
+    mirror case neither did."""
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord
+    from echo_p2p.roles.trainer.election import elect_publisher
+
+    small, large = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([small, large]))
+
+    def seen(fresh: str, stale: str) -> list[PeerRecord]:
+        return [
+            PeerRecord(peer_id=fresh, role="trainer", policy_version=115, updated_at=1003.0),
+            PeerRecord(peer_id=stale, role="trainer", policy_version=100, updated_at=1000.0),
+        ]
+
+    # what each reader concluded before: the records alone, no pace
+    assert elect_publisher(large, seen(large, small), trust, rate=0.0)  # "small is behind": large publishes
+    assert elect_publisher(small, seen(small, large), trust, rate=0.0)  # and small publishes too
+    # now: 15 versions in 3 s is the run's own pace, nobody is behind, the smallest id publishes on both
+    # readers, each with its own estimate of the pace
+    for records in (seen(large, small), seen(small, large)):
+        assert elect_publisher(small, records, trust, rate=4.6, now=1003.5)
+        assert not elect_publisher(large, records, trust, rate=5.4, now=1003.5)
+    # a trainer really behind stays behind: 40 versions where the pace explains 15
+    behind = [
+        PeerRecord(peer_id=large, role="trainer", policy_version=140, updated_at=1003.0),
+        PeerRecord(peer_id=small, role="trainer", policy_version=100, updated_at=1000.0),
+    ]
+    assert not elect_publisher(small, behind, trust, rate=5.0) and elect_publisher(
+        large, behind, trust, rate=5.0
+    )
+
+
+def test_a_trainer_at_version_0_has_no_slack_but_its_records_age_counts():
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord
+    from echo_p2p.roles.trainer.election import elect_publisher
+
+    small, large = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([small, large]))
+    # the run's first seconds: the small one's record still says 0 from a second before the other's 2
+    start = [
+        PeerRecord(peer_id=small, role="trainer", policy_version=0, updated_at=10.0),
+        PeerRecord(peer_id=large, role="trainer", policy_version=2, updated_at=11.0),
+    ]
+    assert elect_publisher(small, start, trust, rate=3.0) and not elect_publisher(
+        large, start, trust, rate=3.0
+    )
+    # a newcomer at 0 beside a run at 5 a second later: 5 versions where the pace explains 3
+    joined = [
+        PeerRecord(peer_id=small, role="trainer", policy_version=0, updated_at=100.0),
+        PeerRecord(peer_id=large, role="trainer", policy_version=5, updated_at=101.0),
+    ]
+    assert not elect_publisher(small, joined, trust, rate=3.0) and elect_publisher(
+        large, joined, trust, rate=3.0
+    )
+
+
+def test_the_pace_is_versions_per_second_over_the_recent_steps():
+    from echo_p2p.roles.trainer.election import version_rate
+
+    assert version_rate([]) == 0.0 and version_rate([(5.0, 3)]) == 0.0
+    steps = [(float(t), 2 * t) for t in range(100)]  # 2 versions a second for 100 s
+    assert version_rate(steps) == 2.0
+    slowed = steps + [(100.0 + 10 * i, 200 + i) for i in range(1, 4)]  # then 0.1/s for 30 s
+    assert abs(version_rate(slowed, window=30.0) - 3 / 30) < 1e-9
+    assert version_rate([(1.0, 5), (1.0, 6)]) == 0.0  # no time between them: no estimate
