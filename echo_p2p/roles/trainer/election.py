@@ -54,7 +54,8 @@ def elect_publisher(
         if r.role == "trainer" and r.state == "running" and (trust is None or trust.is_trusted(r.peer_id))
     }
     if peer_id not in held:  # not announced yet: what we hold now. Otherwise every trainer compares the same
-        held[peer_id] = (version or 0, _latest(held.values(), now))  # records, so they make the same choice
+        at = now if now is not None else max((t for _, t in held.values()), default=0.0)  # records, so they
+        held[peer_id] = (version or 0, at)  # make the same choice
 
     def behind(v: int, at: float) -> bool:
         slack = PUBLISHER_SLACK if v > 0 else 0
@@ -62,12 +63,6 @@ def elect_publisher(
 
     eligible = [p for p, (v, at) in held.items() if not behind(v, at)]
     return peer_id in eligible and min(eligible) == peer_id
-
-
-def _latest(announced: Iterable[tuple[int, float]], now: float | None) -> float:
-    if now is not None:
-        return now
-    return max((at for _, at in announced), default=0.0)
 
 
 def version_rate(history: Iterable[tuple[float, int]], window: float = RATE_WINDOW_S) -> float:
@@ -78,7 +73,7 @@ def version_rate(history: Iterable[tuple[float, int]], window: float = RATE_WIND
     if len(points) < 2:
         return 0.0
     end_t, end_v = points[-1]
-    start_t, start_v = next(((t, v) for t, v in points if t >= end_t - window), points[-1])
+    start_t, start_v = next((t, v) for t, v in points if t >= end_t - window)  # the last one at least
     if end_t <= start_t:
         return 0.0
     return max(0.0, (end_v - start_v) / (end_t - start_t))

@@ -6,10 +6,10 @@ polls partial providers' chunk maps, opens the streams ``scheduler.ChunkSchedule
 drop for the rest of the fetch or a ban (through the ``ban`` callback it is given); it ends a fetch that
 cannot complete (``version_dropped`` at once when the publisher no longer serves a manifest of the chain,
 ``no_providers`` when nobody alive lists one, ``publisher_gone`` when the publisher has failed every request
-for ``no_provider_timeout`` and nobody else lists what is missing, ``no_progress``, ``timeout``, ``stopped``). A peer provider
-whose chunk misses its rate deadline (``reader.StreamLimits``) is dropped, skipped, and banned when it does
-so repeatedly (``_drop_slow``); the scheduler has hedged its late chunks by then. Its collaborators
-are passed in: the endpoint (dials and streams), the directory (provider records), the ``ProviderBook``
+for ``no_provider_timeout`` and nobody else lists what is missing, ``no_progress``, ``timeout``,
+``stopped``). A peer provider whose chunk misses its rate deadline (``reader.StreamLimits``) is dropped,
+skipped, and banned when it does so repeatedly (``_drop_slow``); the scheduler has hedged its late chunks by
+then. Its collaborators are passed in: the endpoint (dials and streams), the directory (provider records), the ``ProviderBook``
 (bans across fetches), the ``FetchStats`` it counts in, the verifier thread and the stop event. Must not
 decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
 """

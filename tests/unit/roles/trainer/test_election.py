@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 
+def two_trainers():
+    """Two trusted trainers' peer ids, the smaller first, and the trust that lists them."""
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
+    from echo_p2p.net.identity import load_or_create_identity
+
+    small, large = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
+    return small, large, RunTrust(fixed=TrustedTrainers.from_keys([small, large]))
+
+
+def announced(peer_id: str, version: int, at: float):
+    """A running trainer's record: ``version`` announced at time ``at``."""
+    from echo_p2p.net.records import PeerRecord
+
+    return PeerRecord(peer_id=peer_id, role="trainer", policy_version=version, updated_at=at)
+
+
 def test_the_smallest_running_trusted_trainer_is_elected_publisher():
     from echo_p2p.guard.trust import RunTrust, TrustedTrainers
     from echo_p2p.net.identity import load_or_create_identity
@@ -25,13 +41,10 @@ def test_the_smallest_running_trusted_trainer_is_elected_publisher():
 
 
 def test_a_trainer_behind_the_newest_leaves_publishing_to_one_that_holds_it():
-    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
-    from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer.election import PUBLISHER_SLACK, elect_publisher
 
-    late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
-    trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
+    late, early, trust = two_trainers()
     newest = 40
     records = [
         PeerRecord(peer_id=early, role="trainer", policy_version=newest),
@@ -55,13 +68,10 @@ def test_a_trainer_still_at_the_initial_weights_never_takes_publishing_from_one_
     """A trainer that joins a young run (within PUBLISHER_SLACK versions of it) at version 0 has none of the
     run's updates: elected for its smaller id, it published its initial weights and the trainer that held
     the run stood by until the newcomer had downloaded the state (seen in a late-trainer run)."""
-    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
-    from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer.election import PUBLISHER_SLACK, elect_publisher
 
-    late, early = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
-    trust = RunTrust(fixed=TrustedTrainers.from_keys([late, early]))
+    late, early, trust = two_trainers()
     young = PUBLISHER_SLACK // 2
     records = [
         PeerRecord(peer_id=early, role="trainer", policy_version=young),
@@ -80,19 +90,12 @@ def test_trainers_in_step_agree_whichever_record_each_read_fresher():
     with the older record trails by 15 versions. Without the records' times each reader judged the other
     behind: both published (seen in the late-trainer run: ``publisher: True`` on both for 11 s), or in the
     mirror case neither did."""
-    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
-    from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer.election import elect_publisher
 
-    small, large = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
-    trust = RunTrust(fixed=TrustedTrainers.from_keys([small, large]))
+    small, large, trust = two_trainers()
 
-    def seen(fresh: str, stale: str) -> list[PeerRecord]:
-        return [
-            PeerRecord(peer_id=fresh, role="trainer", policy_version=115, updated_at=1003.0),
-            PeerRecord(peer_id=stale, role="trainer", policy_version=100, updated_at=1000.0),
-        ]
+    def seen(fresh: str, stale: str) -> list:
+        return [announced(fresh, 115, 1003.0), announced(stale, 100, 1000.0)]
 
     # what each reader concluded before: the records alone, no pace
     assert elect_publisher(large, seen(large, small), trust, rate=0.0)  # "small is behind": large publishes
@@ -103,39 +106,23 @@ def test_trainers_in_step_agree_whichever_record_each_read_fresher():
         assert elect_publisher(small, records, trust, rate=4.6, now=1003.5)
         assert not elect_publisher(large, records, trust, rate=5.4, now=1003.5)
     # a trainer really behind stays behind: 40 versions where the pace explains 15
-    behind = [
-        PeerRecord(peer_id=large, role="trainer", policy_version=140, updated_at=1003.0),
-        PeerRecord(peer_id=small, role="trainer", policy_version=100, updated_at=1000.0),
-    ]
-    assert not elect_publisher(small, behind, trust, rate=5.0) and elect_publisher(
-        large, behind, trust, rate=5.0
-    )
+    behind = [announced(large, 140, 1003.0), announced(small, 100, 1000.0)]
+    assert not elect_publisher(small, behind, trust, rate=5.0)
+    assert elect_publisher(large, behind, trust, rate=5.0)
 
 
 def test_a_trainer_at_version_0_has_no_slack_but_its_records_age_counts():
-    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
-    from echo_p2p.net.identity import load_or_create_identity
-    from echo_p2p.net.records import PeerRecord
     from echo_p2p.roles.trainer.election import elect_publisher
 
-    small, large = sorted(str(load_or_create_identity(None).peer_id) for _ in range(2))
-    trust = RunTrust(fixed=TrustedTrainers.from_keys([small, large]))
+    small, large, trust = two_trainers()
     # the run's first seconds: the small one's record still says 0 from a second before the other's 2
-    start = [
-        PeerRecord(peer_id=small, role="trainer", policy_version=0, updated_at=10.0),
-        PeerRecord(peer_id=large, role="trainer", policy_version=2, updated_at=11.0),
-    ]
-    assert elect_publisher(small, start, trust, rate=3.0) and not elect_publisher(
-        large, start, trust, rate=3.0
-    )
+    start = [announced(small, 0, 10.0), announced(large, 2, 11.0)]
+    assert elect_publisher(small, start, trust, rate=3.0)
+    assert not elect_publisher(large, start, trust, rate=3.0)
     # a newcomer at 0 beside a run at 5 a second later: 5 versions where the pace explains 3
-    joined = [
-        PeerRecord(peer_id=small, role="trainer", policy_version=0, updated_at=100.0),
-        PeerRecord(peer_id=large, role="trainer", policy_version=5, updated_at=101.0),
-    ]
-    assert not elect_publisher(small, joined, trust, rate=3.0) and elect_publisher(
-        large, joined, trust, rate=3.0
-    )
+    joined = [announced(small, 0, 100.0), announced(large, 5, 101.0)]
+    assert not elect_publisher(small, joined, trust, rate=3.0)
+    assert elect_publisher(large, joined, trust, rate=3.0)
 
 
 def test_the_pace_is_versions_per_second_over_the_recent_steps():
