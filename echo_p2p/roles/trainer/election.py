@@ -44,12 +44,14 @@ def elect_publisher(
     not downloaded the run's state yet) has no slack: elected, it published its initial weights and the
     trainer that held the run stood by until it caught up. Not behind: a trainer that joins a running run
     (or fell behind) leaves publishing to one that holds the newest version until it has caught up, so no
-    older version is announced in between.
+    older version is announced in between. A record's time is taken as at most ``now`` (the reader's
+    clock; DHT nodes agree within hivemind's 3 s): one dated in the future would excuse any lag behind it.
     """
     if trust is not None and not trust.is_trusted(peer_id):
         return False
+    latest = float("inf") if now is None else now
     held = {
-        r.peer_id: (r.policy_version or 0, r.updated_at)
+        r.peer_id: (r.policy_version or 0, min(r.updated_at, latest))
         for r in records
         if r.role == "trainer" and r.state == "running" and (trust is None or trust.is_trusted(r.peer_id))
     }

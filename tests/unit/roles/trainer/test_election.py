@@ -109,6 +109,11 @@ def test_trainers_in_step_agree_whichever_record_each_read_fresher():
     behind = [announced(large, 140, 1003.0), announced(small, 100, 1000.0)]
     assert not elect_publisher(small, behind, trust, rate=5.0)
     assert elect_publisher(large, behind, trust, rate=5.0)
+    # the leader's record dated in the future (a clock or a bug) excuses no lag behind it: its time counts as
+    # the reader's now (else an hour at 5 versions a second excused 18,000 versions)
+    future = [announced(large, 140, 1003.0 + 3600), announced(small, 100, 1000.0)]
+    assert not elect_publisher(small, future, trust, rate=5.0, now=1003.5)
+    assert elect_publisher(large, future, trust, rate=5.0, now=1003.5)
 
 
 def test_a_trainer_at_version_0_has_no_slack_but_its_records_age_counts():
