@@ -35,8 +35,8 @@ round they share. ``in_sync`` tells whether this trainer's last transition was s
 
 The download is bounded: one attempt of at most ``load_state_timeout`` seconds per step (hivemind's own
 ``load_state_from_peers`` retries forever). It also fixes hivemind 1.1.12 ignoring ``client_mode`` (it
-replaces any explicit value by the DHT's), and stores a lone trainer's progress record less often
-(``echo_p2p.collab.progress``).
+replaces any explicit value by the DHT's), stores a lone trainer's progress record less often
+(``echo_p2p.collab.progress``) and schedules no gradient round while the trainer is alone.
 """
 
 from __future__ import annotations
@@ -268,6 +268,17 @@ class SyncedOptimizer(hivemind.Optimizer):
         self.state_averager.sync_tag = self.sync_tag
 
     # ---- epoch transitions ----
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """hivemind's, except for a trainer that sees no other: hivemind pre-schedules a gradient round before
+        every epoch and cancels it at the epoch when it is alone, so a lone trainer's averager looked for a
+        group (DHT stores and reads through the DHT process) 3 times a second for nothing. Once another
+        trainer's progress record is seen (``num_peers`` > 1), rounds are pre-scheduled as before; a round
+        not pre-scheduled is begun at the epoch (hivemind's ``_begin_averaging_gradients``), and alone the
+        epoch applies this trainer's own gradients, as after a cancelled round (a unit test compares it with
+        plain AdamW)."""
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         self._round_tags = None
         before = self.sync_tag
