@@ -12,11 +12,13 @@ torch / transformers / bitsandbytes are imported inside functions: importing thi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -233,33 +235,61 @@ def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         return model.eval(), tokenizer
 
     source, gguf_file, kwargs = _local_source(spec)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        if spec.quantize is not None:
-            _quiet_bnb_cast_warning()
-        if gguf_file is None and spec.quantize is not None:
-            # transformers' own bitsandbytes path (works on CPU with bnb 0.50).
-            model = AutoModelForCausalLM.from_pretrained(
-                source,
-                dtype=dtype,
-                quantization_config=_bnb_config(spec.quantize, dtype),
-                device_map=spec.device,
-                **kwargs,
-            )
-        else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(spec.device)
-            # transformers refuses a quantization_config together with a GGUF file: quantise ourselves.
+    parsing = _gguf_parsed_once() if gguf_file is not None else contextlib.nullcontext()
+    with parsing:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             if spec.quantize is not None:
-                quantize_linear_layers_(model, spec.quantize)
-    except OSError as exc:
-        raise ModelNotFoundError(
-            f"model {source!r}{f' / {gguf_file}' if gguf_file else ''} is not on this machine (nothing is "
-            f"downloaded: give a local directory, a repo already in the HF cache, or a GGUF file): {exc}"
-        ) from exc
+                _quiet_bnb_cast_warning()
+            if gguf_file is None and spec.quantize is not None:
+                # transformers' own bitsandbytes path (works on CPU with bnb 0.50).
+                model = AutoModelForCausalLM.from_pretrained(
+                    source,
+                    dtype=dtype,
+                    quantization_config=_bnb_config(spec.quantize, dtype),
+                    device_map=spec.device,
+                    **kwargs,
+                )
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(spec.device)
+                # transformers refuses a quantization_config together with a GGUF file: quantise ourselves.
+                if spec.quantize is not None:
+                    quantize_linear_layers_(model, spec.quantize)
+        except OSError as exc:
+            raise ModelNotFoundError(
+                f"model {source!r}{f' / {gguf_file}' if gguf_file else ''} is not on this machine (nothing is "
+                f"downloaded: give a local directory, a repo already in the HF cache, or a GGUF file): {exc}"
+            ) from exc
     prepare_tokenizer(tokenizer)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within this context, transformers reads each GGUF file's header once and builds gguf's tensor-name map
+    once. transformers 5 parses the whole header (49k-token vocabulary and merges included) for the config,
+    again for the tokenizer and again for the weights, and rebuilds the name map for each of the model's
+    modules: 8 s and 5 s of the 20 s SmolLM2 took to load on a 2-core machine (``py-spy``; the weights'
+    dequantisation is 1 s). Both are read-only, so sharing them changes nothing loaded (the SmolLM2 unit test
+    checks its answers and log-probs). Not thread-safe against other GGUF loads in the same process."""
+    import gguf
+
+    reader_type, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, Any] = {}
+
+    def parsed(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_type(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_type, name_map
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
