@@ -189,3 +189,36 @@ def test_smollm2_preset_loads_and_answers():
     assert sum(gaps) / len(gaps) < 0.2
     out8 = engine.sample(prompts, 1, SamplingParams(temperature=0, max_new_tokens=16))
     assert "5" in tok.decode(out8[0][0].token_ids, skip_special_tokens=True)
+
+
+def _tiny_gguf(path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(4, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_within_a_gguf_load_each_file_is_parsed_once_and_the_name_map_built_once(tmp_path):
+    """transformers reads a GGUF file's header for the config, the tokenizer and the weights, and builds the
+    tensor-name map per module: within ``_gguf_parsed_once`` (``load_policy``'s GGUF loads) both are made
+    once, and gguf is itself again afterwards."""
+    gguf = pytest.importorskip("gguf")
+    from echo_p2p.ml.models import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    _tiny_gguf(path)
+    reader_type, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and isinstance(first, reader_type)
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_type, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)

@@ -9,8 +9,9 @@ cannot complete (``version_dropped`` at once when the publisher no longer serves
 for ``no_provider_timeout`` and nobody else lists what is missing, ``no_progress``, ``timeout``,
 ``stopped``). A peer provider whose chunk misses its rate deadline (``reader.StreamLimits``) is dropped,
 skipped, and banned when it does so repeatedly (``_drop_slow``); the scheduler has hedged its late chunks by
-then. Its collaborators are passed in: the endpoint (dials and streams), the directory (provider records), the ``ProviderBook``
-(bans across fetches), the ``FetchStats`` it counts in, the verifier thread and the stop event. Must not
+then. Its collaborators are passed in: the endpoint (dials and streams), the directory (provider records),
+the ``ProviderBook`` (bans across fetches), the ``FetchStats`` it counts in, the verifier thread and the
+stop event. Must not
 decide what to trust (``trust.py``) nor decode weights (``echo_p2p.weights``).
 """
 
