@@ -12,7 +12,8 @@ at temperature 1.0 and 0.7, with and without top-p 0.9 (the Learner's distributi
 the same settings: it recomputes it as a trainer does). Calibration, per sampler and setting: the
 completions' standardised surprisal z (mean, sd), the share of completions left out of the loss, the
 groups with one left out, the highest per-sender detector level reached and the alarms (strikes; 3 ban)
-of one detector fed every completion of that sampler in order.
+of one detector fed every completion of that sampler in order, and the same of its duplicate test (every
+group's duplicate evidence through ``SampleDetector.observe_repeats``).
 
 Detection, on the learned policy: an *editor* that appends a two-letter marker before EOS to each right
 answer (issue 32's token insertion) and one that replaces ``k`` tokens of every completion by tokens drawn
@@ -55,22 +56,34 @@ CHECK = SamplingCheckConfig()
 
 
 def scores_of(
-    learner: Learner, groups: list[ScoredGroup], allowance: float = 0.0
-) -> tuple[list[list[CompletionScore]], int]:
+    learner: Learner, groups: list[ScoredGroup], allowance: float = 0.0, current_version: int | None = None
+) -> tuple[list[list[CompletionScore]], int, list[float | None]]:
     """The check's completion scores of ``groups`` through the learner's own path (each group allowed
-    ``allowance``: the measured drift since its version), and how many it left out."""
-    stats = learner.compute_gradients(groups, gap_allowance=[allowance] * len(groups))
+    ``allowance``: the measured drift since its version), how many completions it left out (tail bound or
+    repeats), and each group's duplicate evidence (log e-value)."""
+    stats = learner.compute_gradients(
+        groups, gap_allowance=[allowance] * len(groups), current_version=current_version
+    )
     learner.model.zero_grad(set_to_none=True)
-    return learner.last_sample_scores, int(stats["excluded_not_sampled"])
+    left_out = int(stats["excluded_not_sampled"] + stats["excluded_repeated"])
+    return learner.last_sample_scores, left_out, learner.last_group_repeats
 
 
-def feed(groups_scores: list[list[CompletionScore]], allowances: list[float] | None = None) -> dict[str, Any]:
-    """One sender's completions, in order, through a fresh detector and reputation: strikes, ban, level."""
+def feed(
+    groups_scores: list[list[CompletionScore]],
+    allowances: list[float] | None = None,
+    repeats: list[float | None] | None = None,
+) -> dict[str, Any]:
+    """One sender's completions, in order, through a fresh detector and reputation: strikes, ban, level;
+    with ``repeats`` (each group's duplicate evidence) also its groups through the duplicate detector."""
     detector, reputation = SampleDetector(CHECK), Reputation()
     out: dict[str, Any] = {"strike_group": None, "ban_group": None, "strike_tokens": None, "ban_tokens": None}
-    tokens, top, alarms = 0, 0.0, 0
+    tokens, top, alarms, repeat_top, repeat_alarms = 0, 0.0, 0, 0.0, 0
     allowances = allowances or [0.0] * len(groups_scores)
     for index, (group, allowance) in enumerate(zip(groups_scores, allowances, strict=True)):
+        if repeats is not None and repeats[index] is not None:
+            repeat_alarms += detector.observe_repeats("s", repeats[index])
+            repeat_top = max(repeat_top, detector.repeat_level("s"))
         for score in group:
             tokens += score.tokens
             if detector.observe("s", score, allowance):
@@ -81,6 +94,7 @@ def feed(groups_scores: list[list[CompletionScore]], allowances: list[float] | N
                     out["ban_group"], out["ban_tokens"] = index + 1, tokens
             top = max(top, detector.level("s"))
     out.update(alarms=alarms, max_level=top, threshold=detector.threshold, tokens=tokens)
+    out.update(repeat_alarms=repeat_alarms, max_repeat_level=repeat_top)
     return out
 
 
@@ -241,16 +255,20 @@ def main(argv: list[str] | None = None) -> int:
                     temperature=temperature, top_p=top_p, max_new_tokens=trainer.task.max_new_tokens
                 )
                 entry = honest.setdefault(
-                    (kind, temperature, top_p), {"scores": [], "excluded": 0, "flagged": 0, "allowances": []}
+                    (kind, temperature, top_p),
+                    {"scores": [], "excluded": 0, "flagged": 0, "allowances": [], "repeats": []},
                 )
                 # the trainer measures its drift at the run's temperature: logits moving by d move its
                 # log-probs by about d / T; this run trains at T = 1
                 allowance = sum(drifts[-args.stale :]) / temperature if kind == "bf16-stale" else 0.0
                 for g in range(args.groups // 8 or 1):
-                    groups, _ = trainer.sample_groups(step * 1000 + g, engine=engine)
+                    # tagged with the version that sampled them (the stale copy's is --stale updates old)
+                    behind = min(args.stale, step) if kind == "bf16-stale" else 0
+                    groups, _ = trainer.sample_groups(step * 1000 + g, engine=engine, version=step - behind)
                     groups = groups[: args.groups]
-                    scores, excluded = scores_of(learner, groups, allowance)
+                    scores, excluded, repeats = scores_of(learner, groups, allowance, current_version=step)
                     entry["scores"] += scores
+                    entry["repeats"] += repeats
                     entry["allowances"] += [allowance] * len(scores)
                     entry["excluded"] += excluded
                     entry["flagged"] += sum(
@@ -269,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     for (kind, temperature, top_p), entry in honest.items():
         flat = [s for g in entry["scores"] for s in g]
         zs = [s.z for s in flat if s.variance > 0]
-        sender = feed(entry["scores"], entry["allowances"])
+        sender = feed(entry["scores"], entry["allowances"], entry["repeats"])
         calibration.append(
             {
                 "sampler": kind,
@@ -292,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                 "max_level": sender["max_level"],
                 "threshold": sender["threshold"],
                 "strikes": sender["alarms"],
+                "max_repeat_level": sender["max_repeat_level"],
+                "repeat_strikes": sender["repeat_alarms"],
                 "banned": sender["ban_group"] is not None,
                 "scores": [
                     [s.tokens, round(s.tail, 4), a]
@@ -312,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         base = trainer.sample_groups(10**7, engine=engine)[0][: args.attack_groups]
         for attack, k in [("marker", 2), ("replace", 1), ("replace", 2), ("none", 0)]:
             groups, edits = edited(trainer, base, attack, k, rng) if attack != "none" else (base, 0)
-            scores, excluded = scores_of(learner, groups)
-            sender = feed(scores)
+            scores, excluded, repeats = scores_of(learner, groups)
+            sender = feed(scores, repeats=repeats)
             detection.append(
                 {
                     "attack": attack if attack != "replace" else f"replace-{k}",
@@ -339,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     print("calibration (honest samplers; strikes: detector alarms, 3 ban)")
     print(
         f"{'sampler':<11}{'T':>5}{'top_p':>6}{'compl':>7}{'z mean':>8}{'z sd':>6}{'x/tok':>7}"
-        f"{'min p':>9}{'excl':>5}{'grp flag':>9}{'max lvl':>8}{'strikes':>8}{'banned':>7}{'allow':>7}"
+        f"{'min p':>9}{'excl':>5}{'grp flag':>9}{'max lvl':>8}{'strikes':>8}{'rep lvl':>8}{'rep str':>8}"
+        f"{'banned':>7}{'allow':>7}"
     )
     for row in calibration:
         row = {k: v for k, v in row.items() if k != "scores"}
@@ -347,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['sampler']:<11}{row['temperature']:>5}{row['top_p']:>6}{row['completions']:>7}"
             f"{row['z_mean']:>8.2f}{row['z_sd']:>6.2f}{row['tail_per_token']:>7.2f}{row['min_p_value']:>9.1e}"
             f"{row['completions_excluded']:>5}{row['groups_flagged']:>9}{row['max_level']:>8.1f}"
-            f"{row['strikes']:>8}{row['banned']!s:>7}{row['mean_allowance']:>7.2f}"
+            f"{row['strikes']:>8}{row['max_repeat_level']:>8.1f}{row['repeat_strikes']:>8}"
+            f"{row['banned']!s:>7}{row['mean_allowance']:>7.2f}"
         )
     print("\ndetection (learned policy, bf16 sampler; one group per prompt, G completions)")
     print(

@@ -195,6 +195,12 @@ class Reputation:
             stats = self._senders.get(sender)
             return (stats.checked, stats.failed) if stats else (0, 0)
 
+    def judgement_stats(self, sender: str) -> tuple[int, int]:
+        """``(judgements, strikes)`` of ``sender`` by the other checks (``judged``: the sample check)."""
+        with self._lock:
+            stats = self._others.get(sender)
+            return (stats.checked, stats.failed) if stats else (0, 0)
+
     def _banned_locked(self, sender: str, now: float) -> bool:
         ban = self._bans.get(sender)
         return ban is not None and ban[0] > now

@@ -34,14 +34,25 @@ Two decisions use the tail score:
   at least ``ban_fraction`` of the last ``recent_judgements`` steps that judged it (``guard.sender_guard``: a policy shaken
   for a few steps struck honest samplers in bursts).
 
+A third decision reads whole groups: **repeats**. G samples of the policy repeat one another only as often
+as the policy makes some completion likely; an editor that turns every right answer into the same edited
+answer (or a sender that copies one completion) repeats a completion the policy finds unlikely. While the
+policy is still near uniform an edit lies in the bulk of every token's distribution (the tail score sees
+nothing), but its copies are as improbable as ever: ``duplicate_log_e`` is an exact e-value for that
+(expectation 1 for a sample group; one copy of each repeated completion is scored, ``Learner``). A group
+whose e-value is above ``1 / exclude_p_value`` is left out of the loss whole, and each group's e-value
+feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too. With
+a Sybil (a fresh key after each ban) bans alone do not bound what the edits teach; leaving the groups out
+does (``benchmarks/poisoning.py``).
+
 What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks
 like a sample; so does a completion the sender chose among honest samples (issue 32 item 2). The bounds
 hold for a sampler whose distribution is the trainer's; bf16 samplers, stale versions and the nucleus edge
 move it a little, which ``benchmarks/sampling_check.py`` measures (docs/security.md).
 
 Owned here: ``SamplingCheckConfig``, ``CompletionScore``, ``completion_scores`` (torch, from the logits
-the learner already holds: no second forward pass) and ``SampleDetector`` (per-sender detectors: pure
-Python, thread-safe, bounded).
+the learner already holds: no second forward pass), ``duplicate_log_e`` (pure Python) and
+``SampleDetector`` (per-sender detectors: pure Python, thread-safe, bounded).
 """
 
 from __future__ import annotations
@@ -95,6 +106,30 @@ class SamplingCheckConfig(BaseModel):
         description="Nats per token forgiven per nat the trainer's policy moved since a group's version "
         "(``guard.drift``, the log-prob checks' allowance): a stale honest sampler's tokens sit further in the "
         "tail of the newer policy (benchmarks/sampling_check.py: 1 was too little at 4 versions, T 0.7)",
+    )
+    duplicate_bet: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="The duplicate test's bet: each completion that repeats an earlier one of its group "
+        "multiplies the group's e-value by 1 - bet + bet / P(repeat), every other by 1 - bet (0: no "
+        "duplicate test). Larger wins more per repeat, loses more per fresh completion",
+    )
+    precision_slack: float = Field(
+        default=0.1,
+        ge=0,
+        description="Nats per token by which the duplicate test raises a completion's probability under the "
+        "trainer's policy before using it: a sampler's weights (bf16, 8-bit) differ slightly from the "
+        "trainer's, and the test is valid only where it never underestimates what the sampler drew from",
+    )
+    stale_slack: float = Field(
+        default=0.6,
+        ge=0,
+        description="Nats per token per version of staleness added to the duplicate test's slack: a stale "
+        "group's repeated completions were likely under the sampler's older policy, and a fast-learning "
+        "policy drops some of them faster than its mean drift says (benchmarks/sampling_check.py, tiny "
+        "model: up to 0.56 nats per token after 1 version, 2.09 after 4, while twice the mean drift was "
+        "0.1-0.9)",
     )
     max_tracked: int = Field(
         default=4096, ge=1, description="Senders whose detector is kept (least recent go)"
@@ -198,6 +233,42 @@ def completion_scores(
     ]
 
 
+def duplicate_log_e(
+    completions: list[tuple[int, ...]],
+    logprobs: list[float],
+    bet: float,
+    slack: float,
+    order: list[int] | None = None,
+) -> float:
+    """Log of a group's duplicate e-value: do its completions repeat each other more than samples would?
+
+    Taken in ``order`` (the trainer's random order; an honest group's completions are exchangeable), the
+    j-th of G independent samples is a repeat of completion ``c`` with probability ``p(c)``. Betting on each
+    earlier completion in proportion to how often it came (``n_c / j`` of the first j), ``e_j = 1 - bet + bet
+    * (n_{c_j} / j) / p(c_j)`` has expectation ``1 - bet + bet * sum_c n_c / j = 1`` given the earlier ones,
+    so the product, the group's e-value, has expectation 1 for a sample group (a test martingale within the
+    group). An editor that turns every right answer into the same edited answer, or a sender that copies one
+    completion, repeats a completion the policy finds unlikely: each copy multiplies the e-value by about
+    ``bet * n / (j p)``, tens to thousands for an edit the policy gives 10^-3 or less; a likely completion's
+    repeats (a learned policy answers alike) are worth ~1, and each fresh completion costs ``1 - bet``.
+
+    ``logprobs`` are the completions' log-probabilities under the trainer's policy at the run's sampling
+    settings; each is raised by ``slack`` nats per token (the sampler's weights and version differ a little:
+    an underestimated ``p`` would make honest repeats look like evidence) and capped at 1."""
+    if bet <= 0 or len(completions) < 2:
+        return 0.0
+    counts: dict[tuple[int, ...], int] = {}
+    total = 0.0
+    for seen, j in enumerate(order if order is not None else range(len(completions))):
+        ids = completions[j]
+        if seen:
+            share = counts.get(ids, 0) / seen
+            p = math.exp(min(0.0, logprobs[j] + slack * len(ids)))
+            total += math.log(1.0 - bet + bet * share / max(p, 1e-300))
+        counts[ids] = counts.get(ids, 0) + 1
+    return total
+
+
 class SampleDetector:
     """Per-sender CUSUM e-detectors over completion scores (see the module doc)."""
 
@@ -205,8 +276,10 @@ class SampleDetector:
         self.config = config or SamplingCheckConfig()
         self.threshold = math.log(1.0 / self.config.false_alarm_rate)
         self._level: OrderedDict[str, float] = OrderedDict()  # sender -> log M
+        self._repeats: OrderedDict[str, float] = OrderedDict()  # sender -> log M of the duplicate test
         self._lock = threading.Lock()
         self.alarms = 0
+        self.duplicate_alarms = 0
 
     def observe(self, sender: str, score: CompletionScore, drift: float = 0.0) -> bool:
         """Add one of ``sender``'s completions, sampled ``drift`` nats per token of policy movement ago
@@ -215,14 +288,37 @@ class SampleDetector:
         if score.tokens <= 0:
             return False
         log_e = score.log_e(self.config.tilt, self.config.drift_allowance * drift)
+        alarm = self._step(self._level, sender, log_e)
         with self._lock:
-            level = max(0.0, self._level.pop(sender, 0.0) + log_e)
-            alarm = level >= self.threshold
-            self._level[sender] = 0.0 if alarm else level
-            while len(self._level) > self.config.max_tracked:
-                self._level.popitem(last=False)
             self.alarms += alarm
+        return alarm
+
+    def observe_repeats(self, sender: str, log_e: float) -> bool:
+        """Add one of ``sender``'s groups to its duplicate detector, ``log_e`` the log of the group's duplicate
+        e-value (``duplicate_log_e``; ``Learner.last_group_repeats``), a CUSUM with the same threshold as
+        the tail detector's; True when it crosses it (then reset). With both detectors an honest sender is
+        struck within its first N completions and N groups with probability at most
+        ``2 N false_alarm_rate``."""
+        alarm = self._step(self._repeats, sender, log_e)
+        with self._lock:
+            self.duplicate_alarms += alarm
+        return alarm
+
+    def _step(self, levels: OrderedDict[str, float], sender: str, log_e: float) -> bool:
+        """One CUSUM step of ``sender``'s detector in ``levels`` (bounded, least recent out): True on an alarm,
+        which resets it."""
+        with self._lock:
+            level = max(0.0, levels.pop(sender, 0.0) + log_e)
+            alarm = level >= self.threshold
+            levels[sender] = 0.0 if alarm else level
+            while len(levels) > self.config.max_tracked:
+                levels.popitem(last=False)
             return alarm
+
+    def repeat_level(self, sender: str) -> float:
+        """``sender``'s duplicate detector: log M (0 when it has no evidence against it)."""
+        with self._lock:
+            return self._repeats.get(sender, 0.0)
 
     def level(self, sender: str) -> float:
         """``sender``'s detector: log M (0 when it has no evidence against it)."""

@@ -4,8 +4,9 @@ Owned here: ``SenderGuard``, which the trainer peer feeds after every step with 
 and the learner's per-group log-prob gaps (``Learner.last_group_gaps``; completions above the gap were
 already left out of the loss), each allowed as much more as the trainer's own policy moved since the
 group's version (``guard.drift``: the trainer records every update's measured movement in ``drift``).
-It also feeds each completion's sample score (``Learner.last_sample_scores``) to its sender's detector
-(``guard.sampling_check``): an alarm is a strike (``not_sampled``). Repeat offenders are banned
+It also feeds each completion's sample score (``Learner.last_sample_scores``) and each group's duplicate
+evidence (``Learner.last_group_repeats``) to its sender's detectors (``guard.sampling_check``): an alarm is a
+strike (``not_sampled``). Repeat offenders are banned
 (``guard.reputation``): the ingest refuses their pushes before reading them and their groups leave the
 buffer. The guard publishes this trainer's bans on the DHT (``BanRecord``) and adopts the bans of the run's other *trusted* trainers (a run that declares no
 trainers shares none: anyone could ban an honest peer). Every DHT call is bounded by the directory.
@@ -87,11 +88,16 @@ class SenderGuard:
         return banned
 
     def judge_samples(
-        self, groups, scores: list[list[CompletionScore]], allowances: list[float | None]
+        self,
+        groups,
+        scores: list[list[CompletionScore]],
+        allowances: list[float | None],
+        repeats: list[float | None] | None = None,
     ) -> list[str]:
         """Feed each trained group's completion scores (``Learner.last_sample_scores``) to its sender's
         detector, with the group's allowance (``allowances``: a group whose allowance is unknown is not
-        judged); an alarm is a strike (``not_sampled``); returns the senders banned by it.
+        judged), and its duplicate evidence (``repeats``: ``Learner.last_group_repeats``) to the sender's
+        duplicate detector; an alarm of either is a strike (``not_sampled``); returns the senders banned by it.
 
         At most one strike per sender per batch (the rest of its completions in the batch are not fed once
         its detector alarmed): each batch is one judgement of the sender (``Reputation.judged``), whose ban
@@ -107,12 +113,18 @@ class SenderGuard:
         banned: list[str] = []
         struck: set[str] = set()
         judged: dict[str, None] = {}  # senders in the order first seen
-        for scored, group_scores, allowance in zip(groups, scores, allowances, strict=False):
+        for index, (scored, group_scores, allowance) in enumerate(
+            zip(groups, scores, allowances, strict=False)
+        ):
             sender = scored.group.sampler_peer_id
             if allowance is None or sender in struck:
                 continue
             judged[sender] = None
-            if any(self.samples.observe(sender, score, allowance) for score in group_scores):
+            log_e = repeats[index] if repeats is not None and index < len(repeats) else None
+            repeated = log_e is not None and self.samples.observe_repeats(sender, log_e)
+            if repeated:
+                self.counters["duplicate_strikes"] += 1
+            if repeated or any(self.samples.observe(sender, score, allowance) for score in group_scores):
                 struck.add(sender)
         for sender in judged:
             if sender in struck:

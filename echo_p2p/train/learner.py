@@ -18,6 +18,7 @@ import contextlib
 import functools
 import inspect
 import math
+import random
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -25,7 +26,13 @@ from typing import Any
 
 import torch
 
-from echo_p2p.guard.sampling_check import CompletionScore, SamplingCheckConfig, completion_scores, p_values
+from echo_p2p.guard.sampling_check import (
+    CompletionScore,
+    SamplingCheckConfig,
+    completion_scores,
+    duplicate_log_e,
+    p_values,
+)
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
@@ -127,6 +134,11 @@ class Learner:
         self._pit_rng = torch.Generator().manual_seed(secrets.randbits(63))
         #: per group of the last ``compute_gradients``: its completions' scores (empty when not tested)
         self.last_sample_scores: list[list[CompletionScore]] = []
+        #: per group of the last ``compute_gradients``: the log of its duplicate e-value (None: not tested)
+        self.last_group_repeats: list[float | None] = []
+        self._repeat_order = random.Random(
+            secrets.randbits(64)
+        )  # the order a group's completions are taken in
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -197,6 +209,14 @@ class Learner:
         self._probe = None
         group_scores: list[list[CompletionScore]] = [[] for _ in groups]
         not_sampled = 0  # completions left out of the loss as unlikely samples of the policy
+        repeats = self._repeat_evidence(groups, gap_allowance, current_version)
+        bound = (
+            math.log(1.0 / self.sampling_check.exclude_p_value) if self.sampling_check is not None else 0.0
+        )
+        # groups whose completions repeat far more than samples would: left out whole (their advantages
+        # were normalised with the repeats in)
+        dropped_groups = torch.tensor([r is not None and r >= bound for r in repeats])
+        repeated = 0  # completions left out of the loss with their group for its repeats
         with self.policy_weights():
             for mb in micro:
                 mb = mb.to(device)
@@ -214,6 +234,10 @@ class Learner:
                         group_scores[index].append(score)
                     completion_mask, dropped = self._exclude_unsampled(completion_mask, mb, scores, allowance)
                     not_sampled += dropped
+                if bool(dropped_groups.any()):
+                    gone = dropped_groups[mb.group_index.cpu()].to(completion_mask.device)
+                    repeated += int((gone & (completion_mask.sum(1) > 0)).sum())
+                    completion_mask = completion_mask * (~gone).to(completion_mask.dtype).unsqueeze(1)
                 proximal = self._proximal(logp, mb, current_version)
                 ref_logp = None
                 if self.ref_model is not None:
@@ -273,8 +297,10 @@ class Learner:
             nonfinite=float(nonfinite),
             excluded_sequences=float(excluded),
             excluded_not_sampled=float(not_sampled),
+            excluded_repeated=float(repeated),
         )
         self.last_sample_scores = group_scores if self.sampling_check is not None else []
+        self.last_group_repeats = repeats
         self.last_group_gaps = [
             g / max(n, 1.0) for g, n in (gaps.get(i, (0.0, 0.0)) for i in range(len(groups)))
         ]
@@ -289,6 +315,77 @@ class Learner:
         return completion_scores(
             logits, mb.input_ids, mb.completion_mask, self.derived.temperature, self._pit_rng
         )
+
+    def _repeat_evidence(
+        self,
+        groups: Sequence[ScoredGroup],
+        allowance: Sequence[float | None] | None,
+        current_version: int | None,
+    ) -> list[float | None]:
+        """Per group, the log of its duplicate e-value (``guard.sampling_check.duplicate_log_e``, its
+        completions in a random order, their probabilities raised by the precision, drift and staleness
+        slacks of ``SamplingCheckConfig``), or None when not tested (the check or its duplicate test off, or the
+        group's allowance unknown). Only completions that repeat within their group need their probability:
+        one copy of each is scored in a forward pass without gradient (a fresh completion's factor is
+        ``1 - bet`` whatever its probability)."""
+        check = self.sampling_check
+        if check is None or check.duplicate_bet <= 0:
+            return [None] * len(groups)
+        judged = [allowance is None or allowance[i] is not None for i in range(len(groups))]
+        repeated: list[tuple[int, tuple[int, ...]]] = []
+        for index, scored in enumerate(groups):
+            if judged[index]:
+                seen: dict[tuple[int, ...], int] = {}
+                for comp in scored.group.completions:
+                    ids = tuple(comp.token_ids)
+                    seen[ids] = seen.get(ids, 0) + 1
+                repeated += [(index, ids) for ids, n in seen.items() if n > 1]
+        logprob = dict(zip(repeated, self._sequence_logprobs(groups, repeated), strict=True))
+        out: list[float | None] = []
+        for index, scored in enumerate(groups):
+            if not judged[index]:
+                out.append(None)
+                continue
+            comps = [tuple(c.token_ids) for c in scored.group.completions]
+            drift = 0.0 if allowance is None else float(allowance[index] or 0.0)
+            behind = 0 if current_version is None else max(0, current_version - scored.policy_version)
+            order = list(range(len(comps)))
+            self._repeat_order.shuffle(order)
+            out.append(
+                duplicate_log_e(
+                    comps,
+                    [logprob.get((index, ids), 0.0) for ids in comps],
+                    check.duplicate_bet,
+                    check.precision_slack + check.drift_allowance * drift + check.stale_slack * behind,
+                    order,
+                )
+            )
+        return out
+
+    def _sequence_logprobs(
+        self, groups: Sequence[ScoredGroup], rows: list[tuple[int, tuple[int, ...]]], chunk: int = 64
+    ) -> list[float]:
+        """Log-probability of each (group index, completion) in ``rows`` after its group's prompt, under the
+        sampling distribution (the loss's ``token_logprobs``), without gradient."""
+        run, out = self.derived, []
+        pad = run.pad_token_id
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            seqs = [(list(groups[i].group.prompt_token_ids), list(ids)) for i, ids in part]
+            width = max(len(p) + len(c) for p, c in seqs)
+            input_ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in seqs])
+            mask = torch.zeros_like(input_ids)
+            completion = torch.zeros(input_ids.shape, dtype=torch.float32)
+            for row, (p, c) in enumerate(seqs):
+                mask[row, : len(p) + len(c)] = 1
+                completion[row, len(p) : len(p) + len(c)] = 1
+            with torch.no_grad(), self.policy_weights():
+                input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+                logits = _forward_logits(self.model, input_ids, mask)
+                logp = token_logprobs(logits, input_ids, run.temperature, run.top_k, run.top_p)
+                del logits
+            out += (logp.float().cpu() * completion).sum(1).tolist()
+        return out
 
     def _exclude_unsampled(
         self, mask: torch.Tensor, mb: Batch, scores: list[CompletionScore], allowance: torch.Tensor | None

@@ -279,7 +279,9 @@ class TrainerPeer(BasePeer):
             self.guard.drift.record(result.version_before, result.version, drift)
         self.update_seconds += time.monotonic() - t0
         self.guard.judge(batch, self.learner.last_group_gaps, allowances)
-        self.guard.judge_samples(batch, self.learner.last_sample_scores, allowances)
+        self.guard.judge_samples(
+            batch, self.learner.last_sample_scores, allowances, self.learner.last_group_repeats
+        )
         if result.skipped:
             self.intake.discarded(batch)
             self.skipped_batches += 1
@@ -310,6 +312,7 @@ class TrainerPeer(BasePeer):
             "behaviour_weight_mean": round(float(stats.get("behaviour_weight_mean", 1.0)), 4),
             "logprob_gap_max": round(float(stats.get("logprob_gap_max", 0.0)), 4),
             "excluded_not_sampled": int(stats.get("excluded_not_sampled", 0)),  # guard.sampling_check
+            "excluded_repeated": int(stats.get("excluded_repeated", 0)),  # its duplicate test
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "policy_drift": None if drift is None else round(drift, 4),
             **step_figures(stats, staleness, step_s),
