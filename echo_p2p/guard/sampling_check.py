@@ -131,6 +131,20 @@ class SamplingCheckConfig(BaseModel):
         "model: up to 0.56 nats per token after 1 version, 2.09 after 4, while twice the mean drift was "
         "0.1-0.9)",
     )
+    stale_versions: int = Field(
+        default=4,
+        ge=0,
+        description="Past versions whose weights the learner keeps (at most, within stale_versions_mb) to score "
+        "a stale group's repeated completions under the version the group claims, where stale_slack would "
+        "forgive an editor that claims older versions its edits (benchmarks/poisoning.py); 0: none kept",
+    )
+    stale_versions_mb: float = Field(
+        default=256.0,
+        ge=0,
+        description="Memory the kept versions (the current one and stale_versions before it) and the copy of "
+        "the model that scores them may take together: a model too large for stale_versions + 2 copies within "
+        "it keeps none, and its stale groups get stale_slack instead",
+    )
     max_tracked: int = Field(
         default=4096, ge=1, description="Senders whose detector is kept (least recent go)"
     )

@@ -15,12 +15,14 @@ the caller, which either calls ``optimizer.step()`` itself after ``compute_gradi
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import math
 import random
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -136,9 +138,12 @@ class Learner:
         self.last_sample_scores: list[list[CompletionScore]] = []
         #: per group of the last ``compute_gradients``: the log of its duplicate e-value (None: not tested)
         self.last_group_repeats: list[float | None] = []
-        self._repeat_order = random.Random(
-            secrets.randbits(64)
-        )  # the order a group's completions are taken in
+        #: the order a group's completions are taken in by the duplicate test
+        self._repeat_order = random.Random(secrets.randbits(64))
+        #: the weights of the last versions trained (version -> parameter copies), for the duplicate test of
+        #: stale groups (``SamplingCheckConfig.stale_versions``)
+        self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._scorer: torch.nn.Module | None = None  # a copy of the model that holds a kept version to score
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -209,6 +214,7 @@ class Learner:
         self._probe = None
         group_scores: list[list[CompletionScore]] = [[] for _ in groups]
         not_sampled = 0  # completions left out of the loss as unlikely samples of the policy
+        self._keep_version(current_version)
         repeats = self._repeat_evidence(groups, gap_allowance, current_version)
         bound = (
             math.log(1.0 / self.sampling_check.exclude_p_value) if self.sampling_check is not None else 0.0
@@ -327,7 +333,9 @@ class Learner:
         slacks of ``SamplingCheckConfig``), or None when not tested (the check or its duplicate test off, or the
         group's allowance unknown). Only completions that repeat within their group need their probability:
         one copy of each is scored in a forward pass without gradient (a fresh completion's factor is
-        ``1 - bet`` whatever its probability)."""
+        ``1 - bet`` whatever its probability), under the weights of the version the group claims when they
+        are kept (then with the precision slack only), else under the policy with the drift and staleness
+        slacks."""
         check = self.sampling_check
         if check is None or check.duplicate_bet <= 0:
             return [None] * len(groups)
@@ -340,7 +348,16 @@ class Learner:
                     ids = tuple(comp.token_ids)
                     seen[ids] = seen.get(ids, 0) + 1
                 repeated += [(index, ids) for ids, n in seen.items() if n > 1]
-        logprob = dict(zip(repeated, self._sequence_logprobs(groups, repeated), strict=True))
+
+        def kept(index: int) -> int | None:  # the version whose weights score this group's repeats
+            version = groups[index].policy_version
+            stale = current_version is not None and version < current_version
+            return version if stale and version in self._versions else None
+
+        logprob: dict[tuple[int, tuple[int, ...]], float] = {}
+        for version in {kept(i) for i, _ in repeated}:
+            rows = [row for row in repeated if kept(row[0]) == version]
+            logprob.update(zip(rows, self._sequence_logprobs(groups, rows, version), strict=True))
         out: list[float | None] = []
         for index, scored in enumerate(groups):
             if not judged[index]:
@@ -349,6 +366,8 @@ class Learner:
             comps = [tuple(c.token_ids) for c in scored.group.completions]
             drift = 0.0 if allowance is None else float(allowance[index] or 0.0)
             behind = 0 if current_version is None else max(0, current_version - scored.policy_version)
+            if kept(index) is not None:
+                drift, behind = 0.0, 0  # scored under the very version it claims
             order = list(range(len(comps)))
             self._repeat_order.shuffle(order)
             out.append(
@@ -362,11 +381,43 @@ class Learner:
             )
         return out
 
+    def _keep_version(self, version: int | None) -> None:
+        """Keep a copy of the weights of ``version`` (the model's now) for the duplicate test of groups that
+        will claim it: this one and the ``stale_versions`` before it, when they fit in ``stale_versions_mb``."""
+        check = self.sampling_check
+        if version is None or check is None or check.duplicate_bet <= 0 or version in self._versions:
+            return
+        size = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # the current version, the kept past ones and the copy that scores them
+        if check.stale_versions <= 0 or size * (check.stale_versions + 2) > check.stale_versions_mb * 2**20:
+            return
+        with torch.no_grad():
+            self._versions[version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        while len(self._versions) > check.stale_versions + 1:
+            self._versions.popitem(last=False)
+
+    def _model_at(self, version: int | None) -> torch.nn.Module:
+        """The policy (``version`` None), or a scoring copy of it holding the kept weights of ``version``: the
+        live model is never touched (hivemind's averagers may read its parameters meanwhile)."""
+        if version is None:
+            return self.model
+        if self._scorer is None:
+            self._scorer = copy.deepcopy(self.model).requires_grad_(False)
+        with torch.no_grad():
+            for name, param in self._scorer.named_parameters():
+                param.copy_(self._versions[version][name])
+        return self._scorer
+
     def _sequence_logprobs(
-        self, groups: Sequence[ScoredGroup], rows: list[tuple[int, tuple[int, ...]]], chunk: int = 64
+        self,
+        groups: Sequence[ScoredGroup],
+        rows: list[tuple[int, tuple[int, ...]]],
+        version: int | None = None,
+        chunk: int = 64,
     ) -> list[float]:
         """Log-probability of each (group index, completion) in ``rows`` after its group's prompt, under the
-        sampling distribution (the loss's ``token_logprobs``), without gradient."""
+        sampling distribution (the loss's ``token_logprobs``) of the policy (or of the kept ``version``),
+        without gradient."""
         run, out = self.derived, []
         pad = run.pad_token_id
         for start in range(0, len(rows), chunk):
@@ -379,9 +430,10 @@ class Learner:
             for row, (p, c) in enumerate(seqs):
                 mask[row, : len(p) + len(c)] = 1
                 completion[row, len(p) : len(p) + len(c)] = 1
-            with torch.no_grad(), self.policy_weights():
+            model = self._model_at(version)
+            with torch.no_grad(), rounded_weights(model, run.policy_precision):
                 input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-                logits = _forward_logits(self.model, input_ids, mask)
+                logits = _forward_logits(model, input_ids, mask)
                 logp = token_logprobs(logits, input_ids, run.temperature, run.top_k, run.top_p)
                 del logits
             out += (logp.float().cpu() * completion).sum(1).tolist()

@@ -125,3 +125,37 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
     quiet = SenderGuard(ReputationConfig(), "me", sampling=check)
     for _ in range(3):
         assert quiet.judge_samples(batch, off.last_sample_scores, [0.0] * 4, off.last_group_repeats) == []
+
+
+def test_a_stale_groups_repeats_are_scored_under_the_version_it_claims():
+    """The learner keeps the weights of the versions it trained and scores a stale group's repeats under the
+    version the group claims: a copier's groups tagged with version 0 are left out at version 1 although the
+    policy now finds its copied completion almost certain (scored under the policy, with the staleness
+    slack, they would pass: what an editor claiming older versions got before)."""
+    params = SamplingParams(temperature=1.0)
+    derived = DerivedSettings(temperature=1.0)
+    ids = sample(Bigram(3, sharpness=3.0), 8, 6, params, 21, one_prompt=True)
+    ids[2:8] = ids[2]  # one sample sent 6 times (version 0's)
+    copier = groups_of(ids, "copier")
+
+    def learner_after_update(check: SamplingCheckConfig) -> Learner:
+        model = Bigram(3, sharpness=3.0)
+        learner = Learner(model, GRPOConfig(max_grad_norm=None), derived=derived, sampling_check=check)
+        learner.compute_gradients(copier, current_version=0)  # version 0's weights: kept
+        with torch.no_grad():  # version 1: the copied completion is now the policy's own
+            row = ids[2]
+            for t in range(PROMPT, row.shape[0]):
+                model.table[row[t - 1], row[t]] += 30.0
+        return learner
+
+    kept = learner_after_update(SamplingCheckConfig())
+    stats = kept.compute_gradients(copier, current_version=1)
+    # the whole group is left out: its 6 copies at least (the 2 others may be out already for their gaps)
+    assert stats["excluded_repeated"] >= 6 and kept.last_group_repeats[0] > math.log(1e6)
+    assert kept.model.table.requires_grad and kept.model.table.grad is not None  # the live model trained
+    none = learner_after_update(SamplingCheckConfig(stale_versions=0))
+    stats = none.compute_gradients(copier, current_version=1)
+    assert stats["excluded_repeated"] == 0 and none.last_group_repeats[0] < 1.0
+    # a model too large for the budget keeps nothing either
+    small = learner_after_update(SamplingCheckConfig(stale_versions_mb=1e-6))
+    assert small.compute_gradients(copier, current_version=1)["excluded_repeated"] == 0
