@@ -41,7 +41,10 @@ policy is still near uniform an edit lies in the bulk of every token's distribut
 nothing), but its copies are as improbable as ever: ``duplicate_log_e`` is an exact e-value for that
 (expectation 1 for a sample group; one copy of each repeated completion is scored, ``Learner``). A group
 whose e-value is above ``1 / exclude_p_value`` is left out of the loss whole, and each group's e-value
-feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too. With
+feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too. A stale
+group's repeats are scored under the weights of the version it claims where the learner kept them
+(``stale_versions``), else forgiven ``stale_slack`` per version behind (which an editor claiming old
+versions would hide in). With
 a Sybil (a fresh key after each ban) bans alone do not bound what the edits teach; leaving the groups out
 does (``benchmarks/poisoning.py``).
 

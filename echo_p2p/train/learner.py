@@ -420,6 +420,7 @@ class Learner:
         without gradient."""
         run, out = self.derived, []
         pad = run.pad_token_id
+        model = self._model_at(version)
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             seqs = [(list(groups[i].group.prompt_token_ids), list(ids)) for i, ids in part]
@@ -430,7 +431,6 @@ class Learner:
             for row, (p, c) in enumerate(seqs):
                 mask[row, : len(p) + len(c)] = 1
                 completion[row, len(p) : len(p) + len(c)] = 1
-            model = self._model_at(version)
             with torch.no_grad(), rounded_weights(model, run.policy_precision):
                 input_ids, mask = input_ids.to(self.device), mask.to(self.device)
                 logits = _forward_logits(model, input_ids, mask)
