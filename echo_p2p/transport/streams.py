@@ -141,8 +141,10 @@ async def _send_all(responses: AsyncIterator, writer: asyncio.StreamWriter, end_
 async def until_closed(
     reader: asyncio.StreamReader, limit: int = LINGER_BYTES, charge: Callable[[int], None] | None = None
 ) -> None:
-    """Read and discard until the caller closes (EOF or a broken stream), at most ``limit`` bytes; each read's
-    size goes to ``charge`` (a sender's byte quota). The caller bounds the time."""
+    """Read and discard until the caller closes (EOF or a broken stream), at most ``limit`` bytes (and one
+    more: a caller that wrote exactly ``limit`` and then closes is told from one that writes on, and gets a
+    clean end, not a reset that may overtake what was sent to it); each read's size goes to ``charge`` (a
+    sender's byte quota). The caller bounds the time."""
     left = limit
     try:
         while left > 0:
@@ -152,5 +154,8 @@ async def until_closed(
             left -= len(chunk)
             if charge is not None:
                 charge(len(chunk))
+        extra = await reader.read(1)  # b"" at the caller's close; a byte: it writes on, stop reading
+        if extra and charge is not None:
+            charge(len(extra))
     except Exception:  # a reset or a broken pipe: the caller is gone
         return
