@@ -70,8 +70,11 @@ def test_a_sender_beyond_its_byte_or_cpu_quota_is_refused_before_its_push_is_rea
 def test_what_a_push_stream_reads_after_its_ack_is_bounded_by_the_senders_quota_and_conduct():
     """A sender that keeps writing after its ack (the rest of a refused push) is read for at most what its
     byte quota has left, and for only ``LINGER_FLOOR`` bytes after a protocol violation (a frame above the
-    limit): before, every push lingered over up to 16 MiB, whatever the sender had done."""
+    limit): before, every push lingered over up to 16 MiB, whatever the sender had done. One byte more than
+    the bound is read (``until_closed``: it tells a sender that writes on from one that closes at the bound)."""
     from echo_p2p.transport.rollouts.ingest import LINGER_FLOOR
+
+    floor = LINGER_FLOOR + 1
 
     config = IngestServerConfig(sender_bytes_per_second=256 * 1024, sender_burst_seconds=4.0, ack_linger=5.0)
     servicer = RolloutIngestServicer(lambda g: None, ReplayBuffer(8, 1), config)
@@ -87,10 +90,10 @@ def test_what_a_push_stream_reads_after_its_ack_is_bounded_by_the_senders_quota_
         return (8 << 20) - len(reader._buffer)
 
     try:
-        assert asyncio.run(linger("violator", "frame_too_large: a 26214400-byte frame")) == LINGER_FLOOR
-        assert asyncio.run(linger("garbage", "bad_frame: unknown frame marker")) == LINGER_FLOOR
+        assert asyncio.run(linger("violator", "frame_too_large: a 26214400-byte frame")) == floor
+        assert asyncio.run(linger("garbage", "bad_frame: unknown frame marker")) == floor
         read = asyncio.run(linger("honest", None))  # an accepted push: what its 1 MiB quota has left
         assert 1 << 20 <= read < (1 << 20) + 128 * 1024, read
-        assert asyncio.run(linger("honest", "rate_limited: beyond 262144 B/s")) == LINGER_FLOOR  # in debt now
+        assert asyncio.run(linger("honest", "rate_limited: beyond 262144 B/s")) == floor  # in debt now
     finally:
         servicer.shutdown()
