@@ -235,31 +235,10 @@ class Run:
     # ---- sampling and the intake -------------------------------------------------------------------------
     def sample(self, step: int, pids: list[int], who: str, n: int | None = None) -> list[RolloutGroup]:
         """Groups of ``n`` (default G) completions of each prompt, sampled and scored with the current policy."""
-        n = n or self.args.group_size
-        prompts = encode_prompts(self.tokenizer, [self.task.prompt(i) for i in pids])
-        seed = (self.arm.seed * 1_000_003 + step * 7 + self.counts["rounds"]) % 2**63
-        samples = self.trainer.engine.sample(
-            prompts, n, self.trainer.sampling.model_copy(update={"seed": seed})
+        groups, _ = self.trainer.sample_groups(
+            step * 7 + self.counts["rounds"], prompt_ids=pids, version=self.version, group_size=n
         )
-        out = []
-        for pid, prompt, group in zip(pids, prompts, samples, strict=True):
-            texts = [decode_completion(self.tokenizer, s.token_ids) for s in group]
-            rewards = self.task.score_batch([pid] * n, texts, completion_ids=[s.token_ids for s in group])
-            comps = [
-                Completion(token_ids=s.token_ids, logprobs=s.logprobs, claimed_reward=r, finished=s.finished)
-                for s, r in zip(group, rewards, strict=True)
-            ]
-            out.append(
-                RolloutGroup(
-                    task=self.task.name,
-                    prompt_id=pid,
-                    prompt_token_ids=prompt,
-                    completions=comps,
-                    policy_version=self.version,
-                    sampler_peer_id=who,
-                )
-            )
-        return out
+        return [g.group.model_copy(update={"sampler_peer_id": who}) for g in groups]
 
     def intake(self, step: int) -> list[ScoredGroup]:
         """Accepted groups for one step: slots drawn as the attacker's with probability ``fraction``."""

@@ -190,10 +190,11 @@ class ColocatedTrainer:
         engine: Any = None,
         prompt_ids: list[int] | None = None,
         version: int | None = None,
+        group_size: int | None = None,
     ) -> tuple[list[Any], dict[str, float]]:
         """Groups of ``prompts_per_step`` fresh prompts (or ``prompt_ids``) sampled with this process's
-        engine (or ``engine``: a benchmark's other sampler) and scored; tagged with the current version (or
-        ``version``, the one ``engine`` holds)."""
+        engine (or ``engine``: a benchmark's other sampler) and scored, ``group_size`` completions each (None:
+        the run's G); tagged with the current version (or ``version``, the one ``engine`` holds)."""
         from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
         from echo_p2p.rollout import Completion, RolloutGroup
         from echo_p2p.train.scored import ScoredGroup
@@ -209,7 +210,7 @@ class ColocatedTrainer:
         )
         params = self.sampling.model_copy(update={"seed": (cfg.seed * 1_000_003 + step) % 2**63})
         t0 = time.perf_counter()
-        samples = (engine or self.engine).sample(prompts, cfg.group_size, params)
+        samples = (engine or self.engine).sample(prompts, group_size or cfg.group_size, params)
         t1 = time.perf_counter()
         groups = []
         tokens = 0

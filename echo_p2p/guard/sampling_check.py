@@ -44,9 +44,8 @@ whose e-value is above ``1 / exclude_p_value`` is left out of the loss whole, an
 feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too. A stale
 group's repeats are scored under the weights of the version it claims where the learner kept them
 (``stale_versions``), else forgiven ``stale_slack`` per version behind (which an editor claiming old
-versions would hide in). With
-a Sybil (a fresh key after each ban) bans alone do not bound what the edits teach; leaving the groups out
-does (``benchmarks/poisoning.py``).
+versions would hide in). With a Sybil (a fresh key after each ban) bans alone do not bound what the edits
+teach; leaving the groups out does (``benchmarks/poisoning.py``).
 
 What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks
 like a sample; so does a completion the sender chose among honest samples (issue 32 item 2). The bounds
