@@ -28,7 +28,8 @@ four honest samplers'; all of them hold the current policy (staleness 0). Arms:
   none is not sent;
 * ``useless``: zero-variance groups (one honest completion repeated G times).
 
-With ``--keys K`` > 1 the attacker is a Sybil: when one key is banned it sends under the next. With
+With ``--attack-from S`` the attacker arrives at step S (before it, its slots are honest samplers'). With
+``--keys K`` > 1 the attacker is a Sybil: when one key is banned it sends under the next. With
 ``--claim-staleness k`` it tags its groups ``k`` versions older than they are (the checks forgive a stale group
 the policy's movement since its version).
 
@@ -39,7 +40,8 @@ Measured per arm, at equal updates: on the held-out prompts (``--eval-samples`` 
 temperature), the feature's share (the completion starts with the answer and the marker; ``marker_share``:
 the marker where the answer ends, whatever came before), reward, accuracy, mean completion length and the
 share cut at the cap; the attacker's share of the trained groups; the step of
-the first trained group carrying the feature, of the attacker's first strike and of each ban; honest
+the first trained group carrying the feature, of the first carrying it twice alike (``1st rep``: what the
+duplicate test can see), of the attacker's first strike and of each ban; honest
 samplers struck and banned.
 
 ``python benchmarks/poisoning.py [--arms control,edit,choose,useless] [--fractions 0.1,0.25,0.5]
@@ -154,7 +156,12 @@ class Run:
         self.key = 0  # the attacker's current key (a Sybil moves to the next when one is banned)
         self.version = 0
         self.counts: Counter[str] = Counter()
-        self.events: dict[str, Any] = {"first_feature_step": None, "first_strike_step": None, "ban_steps": []}
+        self.events: dict[str, Any] = {
+            "first_feature_step": None,
+            "first_repeat_step": None,
+            "first_strike_step": None,
+            "ban_steps": [],
+        }
         self.honest_struck: Counter[str] = Counter()
 
     # ---- the attacker ------------------------------------------------------------------------------------
@@ -247,7 +254,8 @@ class Run:
         for _ in range(self.args.max_rounds):
             self.counts["rounds"] += 1
             pids = self.task.sample_prompt_ids(self.rng, want)
-            mine = [self.arm.attack != "control" and self.rng.random() < self.arm.fraction for _ in pids]
+            present = self.arm.attack != "control" and step >= self.args.attack_from
+            mine = [present and self.rng.random() < self.arm.fraction for _ in pids]
             honest = self.sample(step, [p for p, m in zip(pids, mine, strict=True) if not m], "honest")
             attacker = self.attack_groups(step, [p for p, m in zip(pids, mine, strict=True) if m])
             offered = [(g, self.rng.choice(HONEST)) for g in honest] + [
@@ -313,6 +321,19 @@ class Run:
         )
         if with_feature and self.events["first_feature_step"] is None:
             self.events["first_feature_step"] = step
+        repeated = any(
+            len(marked) > len(set(marked))
+            for g in mine
+            for marked in [
+                [
+                    tuple(c.token_ids)
+                    for c in g.group.completions
+                    if self.marked(g.group.prompt_id, decode_completion(self.tokenizer, c.token_ids))
+                ]
+            ]
+        )
+        if repeated and self.events["first_repeat_step"] is None:
+            self.events["first_repeat_step"] = step
         for sender in banned:
             if sender.startswith("attacker"):
                 self.events["ban_steps"].append(step)
@@ -379,6 +400,7 @@ class Run:
         after = self.evaluate()
         trained = max(self.counts["trained_groups"], 1)
         first, bans = self.events["first_feature_step"], self.events["ban_steps"]
+        repeat = self.events["first_repeat_step"]
         return {
             "arm": self.arm.name,
             "attack": self.arm.attack,
@@ -393,7 +415,9 @@ class Run:
             "first_feature_step": first,
             "first_strike_step": self.events["first_strike_step"],
             "ban_steps": bans,
+            "first_repeat_step": repeat,
             "ban_after_first_feature": None if first is None or not bans else bans[0] - first,
+            "ban_after_first_repeat": None if repeat is None or not bans else bans[0] - repeat,
             "honest_struck": dict(self.honest_struck),
             "honest_banned": self.counts["honest_banned"],
             "counts": dict(self.counts),
@@ -419,7 +443,7 @@ def arms_of(args: argparse.Namespace) -> list[Arm]:
 def table(results: list[dict[str, Any]]) -> str:
     head = (
         f"{'arm':<32} {'feature':>8} {'of right':>8} {'reward':>7} {'acc':>6} {'len':>5} {'attacker':>8} "
-        f"{'1st feat':>8} {'1st strike':>10} {'bans':>12} {'honest banned':>13}"
+        f"{'1st feat':>8} {'1st rep':>7} {'1st strike':>10} {'bans':>12} {'honest banned':>13}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -427,7 +451,8 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['arm']:<32} {e['feature_share']:>8.3f} {e['feature_share_of_right']:>8.3f} {e['reward']:>7.3f} "
             f"{e['accuracy']:>6.3f} {e['length_mean']:>5.2f} {r['attacker_share_trained']:>8.2f} "
-            f"{str(r['first_feature_step']):>8} {str(r['first_strike_step']):>10} "
+            f"{str(r['first_feature_step']):>8} {str(r.get('first_repeat_step')):>7} "
+            f"{str(r['first_strike_step']):>10} "
             f"{','.join(map(str, r['ban_steps'][:4])) or '-':>12} {r['honest_banned']:>13}"
         )
     return "\n".join(lines)
@@ -452,6 +477,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the attacker tags its groups this many versions older than they are (the checks forgive stale "
         "groups more; the trainer accepts up to max_staleness, 4 by default)",
+    )
+    p.add_argument(
+        "--attack-from",
+        type=int,
+        default=0,
+        help="the attacker's first step (0: from the run's start, on a policy that rarely answers right; later: "
+        "it arrives on a policy that has learned, as the attacks of arXiv 2511.09780 did)",
     )
     p.add_argument("--eval-samples", type=int, default=64, help="samples per held-out prompt")
     p.add_argument("--max-new-tokens", type=int, default=12)

@@ -95,6 +95,7 @@ class Reputation:
         self._senders: OrderedDict[str, _Sender] = OrderedDict()
         self._bans: dict[str, tuple[float, str]] = {}  # peer id -> (until, reason)
         self._others: OrderedDict[str, _Sender] = OrderedDict()  # the other checks' judgements (``judged``)
+        self._alarms: OrderedDict[str, deque[float]] = OrderedDict()  # exact tests' alarm times (``alarmed``)
         self._lock = threading.Lock()
         self.checked = 0
         self.failed = 0
@@ -127,6 +128,27 @@ class Reputation:
             return self._judge_locked(
                 self._others, self.config.recent_judgements, sender, struck, reason, now
             )
+
+    def alarmed(self, sender: str, needed: int, reason: str, now: float | None = None) -> bool:
+        """An alarm of an exact test against ``sender`` (the duplicate test: an e-value whose false-alarm rate
+        holds for every honest sender, with no policy shake to forgive, ``guard.sampling_check``): its
+        ``needed``-th such alarm within ``window`` bans it, with no ``ban_fraction`` of clean judgements to
+        outweigh first (an editor is clean until the policy answers right). True when this bans it."""
+        if not sender:
+            return False
+        now = time.time() if now is None else now
+        with self._lock:
+            times = self._alarms.pop(sender, None) or deque()
+            self._alarms[sender] = times
+            while len(self._alarms) > self.config.max_tracked:
+                self._alarms.popitem(last=False)
+            times.append(now)
+            while times and times[0] < now - self.config.window:
+                times.popleft()
+            if len(times) < needed or self._banned_locked(sender, now):
+                return False
+            self._bans[sender] = (now + self.config.ban_seconds, reason[:32])
+            return True
 
     def strike(self, sender: str, reason: str, now: float | None = None) -> bool:
         """A strike against ``sender`` from another check than the log-prob gap: ``judged`` with a strike."""

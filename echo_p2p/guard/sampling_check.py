@@ -41,7 +41,10 @@ policy is still near uniform an edit lies in the bulk of every token's distribut
 nothing), but its copies are as improbable as ever: ``duplicate_log_e`` is an exact e-value for that
 (expectation 1 for a sample group; one copy of each repeated completion is scored, ``Learner``). A group
 whose e-value is above ``1 / exclude_p_value`` is left out of the loss whole, and each group's e-value
-feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too. A stale
+feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too, and
+whose ``duplicate_ban_alarms``-th alarm bans the sender at once (``Reputation.alarmed``: no share of clean
+steps to wait for, as the tail test's strikes must, since an editor's early groups are clean while the
+policy rarely answers right). A stale
 group's repeats are scored under the weights of the version it claims where the learner kept them
 (``stale_versions``), else forgiven ``stale_slack`` per version behind (which an editor claiming old
 versions would hide in). With a Sybil (a fresh key after each ban) bans alone do not bound what the edits
@@ -116,6 +119,14 @@ class SamplingCheckConfig(BaseModel):
         description="The duplicate test's bet: each completion that repeats an earlier one of its group "
         "multiplies the group's e-value by 1 - bet + bet / P(repeat), every other by 1 - bet (0: no "
         "duplicate test). Larger wins more per repeat, loses more per fresh completion",
+    )
+    duplicate_ban_alarms: int = Field(
+        default=2,
+        ge=1,
+        description="Duplicate-test alarms within the reputation's window that ban a sender at once, with no "
+        "share of clean steps to outweigh first (the tail test's alarms need one: a shaken policy strikes "
+        "honest samplers in bursts). The duplicate test is exact where the learner kept the group's version; "
+        "the second alarm is a margin for the slacks where it did not",
     )
     precision_slack: float = Field(
         default=0.1,

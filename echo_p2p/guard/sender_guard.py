@@ -107,7 +107,9 @@ class SenderGuard:
         shaken by an editor's groups struck each honest sampler 4-12 times within one second and banned
         both. An editor alarms in most batches once the policy has learned: banned at its third strike, or,
         after a clean stretch (before the policy learned there was little to edit), once its strikes are
-        half of its recent batches."""
+        half of its recent batches. A duplicate alarm is exact evidence (no shake to forgive where the
+        learner kept the group's version): the ``duplicate_ban_alarms``-th within the window bans at once
+        (``Reputation.alarmed``)."""
         if self.samples is None:
             return []
         banned: list[str] = []
@@ -124,13 +126,23 @@ class SenderGuard:
             repeated = log_e is not None and self.samples.observe_repeats(sender, log_e)
             if repeated:
                 self.counters["duplicate_strikes"] += 1
+                needed = self.samples.config.duplicate_ban_alarms
+                if self.reputation.alarmed(sender, needed, "repeated") and sender not in banned:
+                    banned.append(sender)
+                    self._drop(sender, "banned")
+                    logger.warning(
+                        "banned %s: its groups repeat completions the policy finds unlikely (%d alarms of "
+                        "the duplicate test)",
+                        sender,
+                        needed,
+                    )
             if repeated or any(self.samples.observe(sender, score, allowance) for score in group_scores):
                 struck.add(sender)
         for sender in judged:
             if sender in struck:
                 self.counters["not_sampled_strikes"] += 1
                 logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
-            if self.reputation.judged(sender, sender in struck, "not_sampled"):
+            if self.reputation.judged(sender, sender in struck, "not_sampled") and sender not in banned:
                 banned.append(sender)
                 self._drop(sender, "banned")
                 logger.warning("banned %s: its completions are not samples of the policy", sender)

@@ -74,7 +74,8 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
     tail test (each copy is a sample) but not the duplicate test: the learner scores the repeated completion
     under the sampling distribution (top-p included), leaves each such group out of the loss whole (its
     e-value above 1 / ``exclude_p_value``), and the guard strikes the copier once per step and bans it at its
-    third; honest groups of the same policy are kept and never struck."""
+    second duplicate alarm (``duplicate_ban_alarms``), with no clean share to wait for; honest groups of the
+    same policy are kept and never struck."""
     params = SamplingParams(temperature=1.0, top_p=0.9)
     model = Bigram(3, sharpness=3.0)
     derived = DerivedSettings(temperature=1.0, top_p=0.9)
@@ -94,13 +95,15 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
             stats["excluded_repeated"] == 16 and stats["excluded_not_sampled"] == 0
         )  # the tail test is blind
         banned = guard.judge_samples(batch, learner.last_sample_scores, [0.0] * 4, learner.last_group_repeats)
-        if step < 2:
-            assert banned == [] and guard.stats()["duplicate_strikes"] == step + 1
+        assert guard.stats()["duplicate_strikes"] == step + 1
+        if step < check.duplicate_ban_alarms - 1:
+            assert banned == []
         if banned:
             break
-    assert banned == ["copier"] and step == 2 and not guard.is_banned("honest")
-    assert guard.reputation.judgement_stats("honest") == (3, 0)
-    assert guard.reputation.judgement_stats("copier") == (3, 3)
+    assert banned == ["copier"] and step == 1 and not guard.is_banned("honest")
+    assert guard.reputation.bans()["copier"][1] == "repeated"
+    assert guard.reputation.judgement_stats("honest") == (2, 0)
+    assert guard.reputation.judgement_stats("copier") == (2, 2)
     # the repeated completion's probability is the loss's: the honest sample's own log-probs under top-p
     with torch.no_grad():
         logp = token_logprobs(model(copied[2:3]), copied[2:3], 1.0, 0, 0.9)[0, PROMPT:].sum()

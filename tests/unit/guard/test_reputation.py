@@ -45,6 +45,20 @@ def test_the_odd_strike_among_honest_groups_bans_no_one_but_mostly_strikes_do():
     assert rep.record("stale", 5.0, allowance=2.9, now=11) is False and rep.sender_stats("stale") == (11, 1)
 
 
+def test_an_exact_tests_alarms_ban_at_the_needed_count_whatever_the_clean_history():
+    rep = Reputation(ReputationConfig(strikes=3, ban_fraction=0.5, recent_judgements=20, window=100))
+    for t in range(20):  # a clean history would outweigh strikes for the other checks' rule
+        assert not rep.judged("editor", False, "not_sampled", now=t)
+    assert not rep.alarmed("editor", 2, "repeated", now=20)
+    assert rep.alarmed("editor", 2, "repeated", now=21) and rep.is_banned("editor", now=22)
+    assert rep.bans(now=22)["editor"][1] == "repeated"
+    assert not rep.alarmed("editor", 2, "repeated", now=23)  # banned already: not a new ban
+    # alarms older than the window do not count; each sender counts its own
+    assert not rep.alarmed("slow", 2, "repeated", now=0) and not rep.alarmed("other", 2, "repeated", now=150)
+    assert not rep.alarmed("slow", 2, "repeated", now=150) and not rep.is_banned("slow", now=151)
+    assert rep.alarmed("once", 1, "repeated", now=0)
+
+
 def test_guard_judges_only_groups_whose_allowance_is_known():
     guard = SenderGuard(ReputationConfig(strikes=1, ban_fraction=0.01), T1)
     guard.drift.record(1, 2, 0.5)
