@@ -22,6 +22,9 @@ four honest samplers'; all of them hold the current policy (staleness 0). Arms:
 * ``control``: honest samplers only;
 * ``edit`` (token insertion): the attacker samples as an honest peer does, then turns every right answer into
   answer + ``--marker`` + EOS and sends the edited tokens' true log-probs (teacher forcing);
+* ``insert`` (token insertion that keeps the sample): as ``edit``, but the marker goes in after the answer
+  and the rest of the sampled completion follows (cut at ``max_new_tokens``): the edited completions differ
+  from one another wherever the samples did, so the duplicate test sees no repeats;
 * ``choose`` (cherry-picking): the attacker samples ``--pool`` times G completions of its prompt and sends,
   of those, up to G/2 with the marker where the answer ends (best rewards first) and fills the group with its
   worst ones without it: every completion an honest sample with its true log-probs; a prompt where it found
@@ -78,8 +81,8 @@ from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 from echo_p2p.transport.rollouts.ingest import NO_SIGNAL_SPREAD
 
-ARMS = ("control", "edit", "choose", "useless")
-STEERING = ("edit", "choose")  # the arms whose effect the sample check may bound
+ARMS = ("control", "edit", "insert", "choose", "useless")
+STEERING = ("edit", "insert", "choose")  # the arms whose effect the sample check may bound
 HONEST = [f"honest-{i}" for i in range(4)]
 REWARD = Path(__file__).resolve().parent / "prefix_reward.py"
 
@@ -136,7 +139,7 @@ class Run:
         )
         t = self.trainer
         self.task, self.tokenizer, self.model = t.task, t.tokenizer, t.model
-        check = SamplingCheckConfig(enabled=arm.check)
+        check = SamplingCheckConfig(enabled=arm.check, duplicate_exclude_e=args.duplicate_exclude_e)
         self.learner = Learner(t.model, t.learner.config, derived=t.learner.derived, sampling_check=check)
         self.guard = SenderGuard(ReputationConfig(), "trainer", sampling=check)
         self.validator = IngestValidator(
@@ -199,7 +202,7 @@ class Run:
     def attack_groups(self, step: int, pids: list[int]) -> list[RolloutGroup]:
         """The attacker's groups for ``pids`` (fewer when a chooser found nothing to send)."""
         attack, g = self.arm.attack, self.args.group_size
-        if attack in ("edit", "useless"):
+        if attack in ("edit", "insert", "useless"):
             groups = self.sample(step, pids, "attacker")
             if attack == "useless":
                 return [self.regroup(x, [x.completions[0]] * g) for x in groups]
@@ -207,16 +210,20 @@ class Run:
             for group in groups:
                 comps, edits = list(group.completions), []
                 for i, c in enumerate(comps):
-                    if c.claimed_reward >= 1.0:  # a right answer: answer, marker, EOS
+                    if (
+                        c.claimed_reward >= 1.0
+                    ):  # a right answer: answer, marker, then EOS or the sample's rest
                         n = len(self.answers[group.prompt_id])
-                        edits.append((i, list(c.token_ids[:n]) + self.marker + [self.eos]))
+                        rest = list(c.token_ids[n:]) if attack == "insert" else [self.eos]
+                        ids = (list(c.token_ids[:n]) + self.marker + rest)[: self.args.max_new_tokens]
+                        edits.append((i, ids))
                 if edits:
                     logps = self.true_logprobs(group.prompt_token_ids, [ids for _, ids in edits])
                     for (i, ids), lp in zip(edits, logps, strict=True):
                         text = decode_completion(self.tokenizer, ids)
                         reward = self.task.score(group.prompt_id, text)
                         comps[i] = Completion(
-                            token_ids=ids, logprobs=lp, claimed_reward=reward, finished=True
+                            token_ids=ids, logprobs=lp, claimed_reward=reward, finished=ids[-1] == self.eos
                         )
                     self.counts["edited"] += len(edits)
                 out.append(self.regroup(group, comps))
@@ -484,6 +491,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the attacker's first step (0: from the run's start, on a policy that rarely answers right; later: "
         "it arrives on a policy that has learned, as the attacks of arXiv 2511.09780 did)",
+    )
+    p.add_argument(
+        "--duplicate-exclude-e",
+        type=float,
+        default=SamplingCheckConfig().duplicate_exclude_e,
+        help="the trainer's trainer.sampling_check.duplicate_exclude_e: groups whose duplicate e-value is at "
+        "least this are left out of the loss",
     )
     p.add_argument("--eval-samples", type=int, default=64, help="samples per held-out prompt")
     p.add_argument("--max-new-tokens", type=int, default=12)

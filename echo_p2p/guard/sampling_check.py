@@ -40,7 +40,7 @@ answer (or a sender that copies one completion) repeats a completion the policy 
 policy is still near uniform an edit lies in the bulk of every token's distribution (the tail score sees
 nothing), but its copies are as improbable as ever: ``duplicate_log_e`` is an exact e-value for that
 (expectation 1 for a sample group; one copy of each repeated completion is scored, ``Learner``). A group
-whose e-value is above ``1 / exclude_p_value`` is left out of the loss whole, and each group's e-value
+whose e-value is at least ``duplicate_exclude_e`` is left out of the loss whole, and each group's e-value
 feeds a second per-sender CUSUM (``SampleDetector.observe_repeats``), whose alarms are strikes too, and
 whose ``duplicate_ban_alarms``-th alarm bans the sender at once (``Reputation.alarmed``: no share of clean
 steps to wait for, as the tail test's strikes must, since an editor's early groups are clean while the
@@ -119,6 +119,14 @@ class SamplingCheckConfig(BaseModel):
         description="The duplicate test's bet: each completion that repeats an earlier one of its group "
         "multiplies the group's e-value by 1 - bet + bet / P(repeat), every other by 1 - bet (0: no "
         "duplicate test). Larger wins more per repeat, loses more per fresh completion",
+    )
+    duplicate_exclude_e: float = Field(
+        default=100.0,
+        gt=1,
+        description="A group whose duplicate e-value is at least this is left out of the loss whole: an honest "
+        "group is, with probability at most 1 / this (Markov; none in benchmarks/poisoning.py's control "
+        "arms). 1e6 left in enough of a Sybil's weakly repeating edits to teach its marker to 0.5-3.9% of "
+        "held-out samples (100: 0.0%)",
     )
     duplicate_ban_alarms: int = Field(
         default=2,

@@ -216,9 +216,7 @@ class Learner:
         not_sampled = 0  # completions left out of the loss as unlikely samples of the policy
         self._keep_version(current_version)
         repeats = self._repeat_evidence(groups, gap_allowance, current_version)
-        bound = (
-            math.log(1.0 / self.sampling_check.exclude_p_value) if self.sampling_check is not None else 0.0
-        )
+        bound = math.log(self.sampling_check.duplicate_exclude_e) if self.sampling_check is not None else 0.0
         # groups whose completions repeat far more than samples would: left out whole (their advantages
         # were normalised with the repeats in)
         dropped_groups = torch.tensor([r is not None and r >= bound for r in repeats])

@@ -73,7 +73,7 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
     """Through the trainer's own path: a sender whose groups hold one honest sample sent 6 times passes the
     tail test (each copy is a sample) but not the duplicate test: the learner scores the repeated completion
     under the sampling distribution (top-p included), leaves each such group out of the loss whole (its
-    e-value above 1 / ``exclude_p_value``), and the guard strikes the copier once per step and bans it at its
+    e-value above ``duplicate_exclude_e``), and the guard strikes the copier once per step and bans it at its
     second duplicate alarm (``duplicate_ban_alarms``), with no clean share to wait for; honest groups of the
     same policy are kept and never struck."""
     params = SamplingParams(temperature=1.0, top_p=0.9)
@@ -107,7 +107,7 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
     # the repeated completion's probability is the loss's: the honest sample's own log-probs under top-p
     with torch.no_grad():
         logp = token_logprobs(model(copied[2:3]), copied[2:3], 1.0, 0, 0.9)[0, PROMPT:].sum()
-    kept = SamplingCheckConfig(exclude_p_value=1e-300)  # nothing left out: the e-value alone
+    kept = SamplingCheckConfig(duplicate_exclude_e=1e300)  # nothing left out: the e-value alone
     exact = Learner(model, GRPOConfig(max_grad_norm=None), derived=derived, sampling_check=kept)
     exact.compute_gradients(groups_of(copied[:8], "copier"))
     # 6 copies of one completion among 8 (the two others distinct): whatever the order, the e-value lies
@@ -117,6 +117,13 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
     first = sum(math.log(1 - bet + bet * (k / k) / p) for k in range(1, 6)) + 2 * math.log(1 - bet)
     last = sum(math.log(1 - bet + bet * (k / (k + 2)) / p) for k in range(1, 6)) + 2 * math.log(1 - bet)
     assert last - 1e-6 <= exact.last_group_repeats[0] <= first + 1e-6, (last, exact.last_group_repeats, first)
+    # left out whole at ``duplicate_exclude_e``: below the least e-value any order gives, kept above the most
+    for threshold, left_out in ((math.exp(last) * 0.99, 8), (math.exp(first) * 1.01, 0)):
+        check = SamplingCheckConfig(duplicate_exclude_e=threshold)
+        at = Learner(model, GRPOConfig(max_grad_norm=None), derived=derived, sampling_check=check)
+        assert at.compute_gradients(groups_of(copied[:8], "copier"))["excluded_repeated"] == left_out, (
+            threshold
+        )
     # the test off: the same groups are kept and pass
     off = Learner(
         model,
