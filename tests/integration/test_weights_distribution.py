@@ -404,7 +404,10 @@ def test_receivers_fetching_at_the_same_time_share_chunks_and_spare_the_trainer(
             t.join(timeout=45)
         assert all(r.version == 0 for r in receivers)
         version_bytes = s.publisher.record.manifests[0].total_bytes
-        assert s.publisher.servicer.stats.bytes_served <= 2 * version_bytes, s.publisher.servicer.stats
+        assert s.publisher.servicer.stats.bytes_served <= 2 * version_bytes, (  # 1.0x in passing runs
+            s.publisher.servicer.stats,
+            [r.stats_dict() for r in receivers],  # hedges, stalls and windows dropped: why the publisher
+        )
         for r in receivers[1:]:
             assert_same(r.weights.tensors, receivers[0].weights.tensors)
 

@@ -111,6 +111,14 @@ class FetcherConfig(BaseModel):
         "each other several times a second, and every read parses every provider's record); it reads again "
         "after provider_refresh s",
     )
+    announce_grace: float = Field(
+        default=1.5,
+        ge=0,
+        description="When the publisher had nothing fresh to pick (it handed the chunks to other receivers "
+        "within publisher_fresh_window), only a providers read that started this long after is trusted to say "
+        "that nobody else holds them (then the window is dropped): a receiver stores its provider record at "
+        "most once a second, and one read at once could not see the receivers fetching beside it yet",
+    )
     have_period: float = Field(default=0.25, gt=0, description="Seconds between chunk-map polls of a peer")
     max_provider_failures: int = Field(
         default=2,

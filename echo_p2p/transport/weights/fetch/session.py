@@ -224,12 +224,14 @@ class FetchSession:
                 source = sources[p.peer_id] = Source(p.peer_id, p.maddrs)
             source.complete |= complete
             source.partial |= partial - source.complete
-        # the publisher had nothing fresh for a digest before this read: if no other live provider is known
-        # to hold it, whoever got those chunks skipped the version, moved on or is banned; ask without the
-        # window, at once (the publisher waited only for this read, unless it failed meanwhile)
+        # the publisher had nothing fresh for a digest at least announce_grace before this read: if no other
+        # live provider is known to hold it, whoever got those chunks skipped the version, moved on or is
+        # banned; ask without the window, at once (the publisher waited only for this read, unless it failed
+        # meanwhile). A read sooner after could miss receivers that got them but have not announced yet
+        # (provider records are stored at most once a second; later under load): they are asked once listed
         publisher = sources.get(self.record.peer_id)
         for digest, at in list(self.empty_picks.items()):
-            if at <= started:
+            if at + self.cfg.announce_grace <= started:
                 del self.empty_picks[digest]
                 if not any(s.lists(digest) for s in self.sched.alive() if not s.publisher):
                     self.sched.no_window.add(digest)
