@@ -6,7 +6,11 @@ along the way (``--checkpoints``: the untrained policy, while it learns, once it
 ``Learner``, with the check on at each sampling setting, scores groups sampled by
 
 * ``fp32``: the policy itself; ``bf16``: a bf16 copy (what an inference peer holds by default, bf16
-  compute); ``bf16-stale``: a bf16 copy ``--stale`` updates old (the worst case of ``max_staleness``),
+  compute); ``bf16-stale``: a bf16 copy ``--stale`` updates old (the worst case of ``max_staleness``);
+  ``int8``: the weights an inference peer holds when the run publishes the ``int8`` encoding (bitsandbytes'
+  blockwise 8-bit quantiser, 4,096 per block, through ``weights.quant``; fp32 compute); ``nf4``: every
+  linear layer's weight through bitsandbytes' 4-bit NF4 quantiser (blocks of 64), bf16 compute, as a
+  ``Linear4bit`` layer computes (dequantised weights; activations are not quantised),
 
 at temperature 1.0 and 0.7, with and without top-p 0.9 (the Learner's distribution is the fp32 policy's at
 the same settings: it recomputes it as a trainer does). Calibration, per sampler and setting: the
@@ -50,6 +54,8 @@ from echo_p2p.ml.engine import SamplingParams, TransformersEngine
 from echo_p2p.rollout import Completion, RolloutGroup
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
+from echo_p2p.weights.config import EncodingConfig
+from echo_p2p.weights.quant import dequantize, quantize_blockwise
 
 SETTINGS = [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.9)]
 CHECK = SamplingCheckConfig()
@@ -100,6 +106,34 @@ def feed(
 
 def bf16_engine(model: torch.nn.Module, tokenizer: Any) -> TransformersEngine:
     return TransformersEngine(copy.deepcopy(model).to(torch.bfloat16), tokenizer)
+
+
+def int8_engine(model: torch.nn.Module, tokenizer: Any) -> TransformersEngine:
+    """Every float weight through the ``int8`` stream encoding's quantiser and back (fp32, as receivers of
+    that encoding hold it)."""
+    blocksize = EncodingConfig().blocksize
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in copied.parameters():
+            if param.numel():
+                absmax, codes = quantize_blockwise(param.detach().reshape(-1).float().contiguous(), blocksize)
+                param.copy_(dequantize(absmax, codes, blocksize).reshape(param.shape))
+    return TransformersEngine(copied, tokenizer)
+
+
+def nf4_engine(model: torch.nn.Module, tokenizer: Any) -> TransformersEngine:
+    """Every linear layer's weight through bitsandbytes' NF4 quantiser and back, bf16 compute."""
+    import bitsandbytes.functional as bnbf
+
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in copied.modules():
+            if isinstance(module, torch.nn.Linear):
+                packed, state = bnbf.quantize_4bit(
+                    module.weight.detach().float().contiguous(), quant_type="nf4"
+                )
+                module.weight.copy_(bnbf.dequantize_4bit(packed, state).reshape(module.weight.shape))
+    return TransformersEngine(copied.to(torch.bfloat16), tokenizer)
 
 
 def learner_at(trainer: ColocatedTrainer, temperature: float, top_p: float, check: bool = True) -> Learner:
@@ -248,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 "fp32": trainer.engine,
                 "bf16": bf16_engine(trainer.model, trainer.tokenizer),
                 "bf16-stale": bf16_engine(stale_model, trainer.tokenizer),
+                "int8": int8_engine(trainer.model, trainer.tokenizer),
+                "nf4": nf4_engine(trainer.model, trainer.tokenizer),
             }
             for (temperature, top_p), (kind, engine) in ((s, e) for s in SETTINGS for e in engines.items()):
                 learner = learner_at(trainer, temperature, top_p)
