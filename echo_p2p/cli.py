@@ -12,6 +12,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from echo_p2p.net.sockets import remove_private_socket_dir
+
 EXIT_CONFIG = 2  #: invalid flags or configuration (before any network start)
 EXIT_START = 1  #: could not start or join (port busy, initial peers silent, bad identity file)
 EXIT_INTERRUPTED = 130  #: stopped at once by a second Ctrl-C (128 + SIGINT, as a shell reports it)
@@ -166,6 +168,7 @@ class StopSignals:
         elif signum == signal.SIGINT:
             _say("stopping at once")
             kill_descendants()
+            remove_private_socket_dir()
             os._exit(EXIT_INTERRUPTED)
 
 

@@ -78,6 +78,7 @@ def start_dht(
 
     from echo_p2p.net.reachability import relay_options
     from echo_p2p.net.records import rules_validator, schema_validator
+    from echo_p2p.net.sockets import use_private_socket_dir
     from echo_p2p.net.trainer_writers import TrainerWriters, trainer_keys
 
     if not client_mode:
@@ -104,6 +105,7 @@ def start_dht(
     if not client_mode:  # a reader (monitor, swarm status) dials out only: it needs no relay
         kwargs.update(relay_options(network.relay_addresses, network.reachability))
     make = _dht_maker(in_process)  # imports first (torch, for hivemind.DHT): not on the start-up deadline
+    use_private_socket_dir()  # this process's p2pd and client sockets: removed when it exits
     deadline = time.monotonic() + network.startup_timeout
     knock_deadline = min(deadline, time.monotonic() + network.knock_timeout)
     said = False  # the reason is logged once, not on every knock

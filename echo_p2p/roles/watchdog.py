@@ -228,8 +228,10 @@ def exit_stalled(grace: float, prefix: str = "") -> None:
             pass
     try:
         from echo_p2p.cli import kill_descendants
+        from echo_p2p.net.sockets import remove_private_socket_dir
 
         kill_descendants()
+        remove_private_socket_dir()
     finally:
         os._exit(EXIT_STALLED)
 
