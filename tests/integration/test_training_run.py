@@ -240,9 +240,13 @@ def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tm
         # re-elects on its heartbeat from the other's record; a fresh-clone run stopped 11 s after the join
         # with both publishing, its metrics written every 2 s)
         publishing = [[x["publisher"] for x in lines if "publisher" in x][-1:] for lines in files]
+        # and the early trainer has stepped since the late one's first step (asserted below): right after a
+        # join its next averaging round can wait out averaging_timeout while the late one steps alone (a
+        # fresh-clone run of 2026-12-04 stopped 1.4 s after the join, the early trainer's last step before it)
         return (
             late[-1]["catch_ups"] >= 1
             and late[-1]["steps"] >= 5
+            and early[-1]["time"] > late[0]["time"]
             and min(early[-1]["version"], late[-1]["version"]) >= 8
             and max((x["version"] or 0 for x in inference), default=0) >= 5
             and sorted(sum(publishing, [])) == [False, True]

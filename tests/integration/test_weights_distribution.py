@@ -7,6 +7,7 @@ Each test starts its own DHT nodes (child processes with their own p2pd) in this
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -396,7 +397,11 @@ def test_receivers_fetching_at_the_same_time_share_chunks_and_spare_the_trainer(
     with swarm("nw-crowd") as s:
         tensors = make_tensors()
         s.publisher.publish(tensors.items(), 0)
-        receivers = [s.receiver() for _ in range(3)]
+        # the stall rule asks the publisher for anything still missing after stall_timeout without a chunk:
+        # 1 s (the module's FAST) is shorter than finding each other's provider records takes on a loaded
+        # machine (two fresh-clone runs of 2026-12-04 served 2.6x and 2.9x the version from the publisher);
+        # the default is 3 s, and sharing, not the stall rule, is what this test is about
+        receivers = [s.receiver(stall_timeout=5.0) for _ in range(3)]
         threads = [threading.Thread(target=fetch, args=(r, 0), daemon=True) for r in receivers]
         for t in threads:
             t.start()
@@ -404,9 +409,14 @@ def test_receivers_fetching_at_the_same_time_share_chunks_and_spare_the_trainer(
             t.join(timeout=45)
         assert all(r.version == 0 for r in receivers)
         version_bytes = s.publisher.record.manifests[0].total_bytes
-        assert s.publisher.servicer.stats.bytes_served <= 2 * version_bytes, (  # 1.0x in passing runs
-            s.publisher.servicer.stats,
-            [r.stats_dict() for r in receivers],  # hedges, stalls and windows dropped: why the publisher
+        # 1.0x in passing runs; if not, each receiver's counters (hedges, failures, bytes per provider) say
+        # why the publisher served more, in full (a string: pytest shortens the repr of other objects)
+        assert s.publisher.servicer.stats.bytes_served <= 2 * version_bytes, json.dumps(
+            {
+                "publisher": s.publisher.servicer.stats.as_dict(),
+                "receivers": [r.stats_dict() for r in receivers],
+            },
+            default=str,
         )
         for r in receivers[1:]:
             assert_same(r.weights.tensors, receivers[0].weights.tensors)
