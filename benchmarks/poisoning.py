@@ -210,9 +210,8 @@ class Run:
             for group in groups:
                 comps, edits = list(group.completions), []
                 for i, c in enumerate(comps):
-                    if (
-                        c.claimed_reward >= 1.0
-                    ):  # a right answer: answer, marker, then EOS or the sample's rest
+                    # a right answer becomes answer, marker, then EOS (edit) or the sample's rest (insert)
+                    if c.claimed_reward >= 1.0:
                         n = len(self.answers[group.prompt_id])
                         rest = list(c.token_ids[n:]) if attack == "insert" else [self.eos]
                         ids = (list(c.token_ids[:n]) + self.marker + rest)[: self.args.max_new_tokens]
@@ -319,26 +318,19 @@ class Run:
                 elif self.events["first_strike_step"] is None:
                     self.events["first_strike_step"] = step
         mine = [g for g in batch if g.group.sampler_peer_id.startswith("attacker")]
-        with_feature = sum(
-            any(
-                self.marked(g.group.prompt_id, decode_completion(self.tokenizer, c.token_ids))
+        # per attacker group, its completions that carry the marker (the duplicate test sees them once two
+        # are alike)
+        marked = [
+            [
+                tuple(c.token_ids)
                 for c in g.group.completions
-            )
-            for g in mine
-        )
-        if with_feature and self.events["first_feature_step"] is None:
-            self.events["first_feature_step"] = step
-        repeated = any(
-            len(marked) > len(set(marked))
-            for g in mine
-            for marked in [
-                [
-                    tuple(c.token_ids)
-                    for c in g.group.completions
-                    if self.marked(g.group.prompt_id, decode_completion(self.tokenizer, c.token_ids))
-                ]
+                if self.marked(g.group.prompt_id, decode_completion(self.tokenizer, c.token_ids))
             ]
-        )
+            for g in mine
+        ]
+        if any(marked) and self.events["first_feature_step"] is None:
+            self.events["first_feature_step"] = step
+        repeated = any(len(ids) > len(set(ids)) for ids in marked)
         if repeated and self.events["first_repeat_step"] is None:
             self.events["first_repeat_step"] = step
         for sender in banned:
@@ -356,7 +348,7 @@ class Run:
         ]
         self.counts["trained_groups"] += len(batch)
         self.counts["attacker_trained_groups"] += len(mine)
-        self.counts["attacker_feature_groups"] += with_feature
+        self.counts["attacker_feature_groups"] += sum(map(bool, marked))
         self.counts["excluded_not_sampled"] += int(stats.get("excluded_not_sampled", 0))
         self.counts["excluded_repeated"] += int(stats.get("excluded_repeated", 0))
         return {

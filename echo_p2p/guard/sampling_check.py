@@ -46,8 +46,8 @@ whose ``duplicate_ban_alarms``-th alarm bans the sender at once (``Reputation.al
 steps to wait for, as the tail test's strikes must, since an editor's early groups are clean while the
 policy rarely answers right). A stale group's repeats are scored under the weights of the version it claims
 where the learner kept them (``stale_versions``), else forgiven ``stale_slack`` per version behind (which an
-editor claiming old versions would hide in). With a Sybil (a fresh key after each ban) bans alone do not bound what the edits
-teach; leaving the groups out does (``benchmarks/poisoning.py``).
+editor claiming old versions would hide in). With a Sybil (a fresh key after each ban) bans alone do not
+bound what the edits teach; leaving the groups out does (``benchmarks/poisoning.py``).
 
 What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks
 like a sample; so does a completion the sender chose among honest samples (issue 32 item 2). The bounds

@@ -69,11 +69,8 @@ class SenderGuard:
                 worst[sender] = (count + 1, *((gap, allowance) if gap > top else (top, top_allowance)))
             if self.reputation.record(sender, gap, allowance):
                 banned.append(sender)
-                self._drop(sender, "banned")
-                logger.warning(
-                    "banned %s: behaviour log-probs off by up to %.2f nats per token on most of its groups",
-                    sender,
-                    gap,
+                self._banned(
+                    sender, f"behaviour log-probs off by up to {gap:.2f} nats per token on most of its groups"
                 )
         for sender, (count, gap, allowance) in worst.items():
             logger.info(
@@ -127,14 +124,12 @@ class SenderGuard:
             if repeated:
                 self.counters["duplicate_strikes"] += 1
                 needed = self.samples.config.duplicate_ban_alarms
-                if self.reputation.alarmed(sender, needed, "repeated") and sender not in banned:
+                if self.reputation.alarmed(sender, needed, "repeated"):  # False once banned
                     banned.append(sender)
-                    self._drop(sender, "banned")
-                    logger.warning(
-                        "banned %s: its groups repeat completions the policy finds unlikely (%d alarms of "
-                        "the duplicate test)",
+                    self._banned(
                         sender,
-                        needed,
+                        f"its groups repeat completions the policy finds unlikely ({needed} alarms of the "
+                        "duplicate test)",
                     )
             if repeated or any(self.samples.observe(sender, score, allowance) for score in group_scores):
                 struck.add(sender)
@@ -142,10 +137,9 @@ class SenderGuard:
             if sender in struck:
                 self.counters["not_sampled_strikes"] += 1
                 logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
-            if self.reputation.judged(sender, sender in struck, "not_sampled") and sender not in banned:
+            if self.reputation.judged(sender, sender in struck, "not_sampled"):  # False once banned
                 banned.append(sender)
-                self._drop(sender, "banned")
-                logger.warning("banned %s: its completions are not samples of the policy", sender)
+                self._banned(sender, "its completions are not samples of the policy")
         return banned
 
     def share(self, directory, ttl: float) -> None:
@@ -172,6 +166,11 @@ class SenderGuard:
                 if ban.peer_id != self.peer_id and self.reputation.ban(ban.peer_id, ban.until, ban.reason):
                     self.counters["bans_adopted"] += 1
                     self._drop(ban.peer_id, "adopted a ban")
+
+    def _banned(self, sender: str, why: str) -> None:
+        """``sender`` was just banned by this trainer's own check: say why, drop its buffered groups."""
+        self._drop(sender, "banned")
+        logger.warning("banned %s: %s", sender, why)
 
     def _drop(self, sender: str, why: str) -> None:
         if self.buffer is not None:

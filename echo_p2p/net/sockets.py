@@ -10,8 +10,9 @@ there too) and removes the folder with whatever is in it when the process exits 
 SIGTERM handler that exits; the exits through ``os._exit`` call ``remove_private_socket_dir`` first). A
 process killed with SIGKILL leaves its folder: nothing runs then.
 
-Owned here: ``use_private_socket_dir`` and ``remove_private_socket_dir``. Imports only ``hivemind.p2p.p2p_daemon`` (no torch); the prefix it
-sets is a class attribute of the pinned hivemind (``P2P._UNIX_SOCKET_PREFIX``).
+Owned here: ``use_private_socket_dir`` and ``remove_private_socket_dir``. Imports only
+``hivemind.p2p.p2p_daemon`` (no torch); the prefix it sets is a class attribute of the pinned hivemind
+(``P2P._UNIX_SOCKET_PREFIX``).
 """
 
 from __future__ import annotations
