@@ -93,6 +93,7 @@ async def test_the_window_stays_while_another_provider_lists_the_version(verifie
     session.empty_picks[served.digest] = time.monotonic() - session.cfg.announce_grace
     await session._refresh_providers()  # one that gave them time to announce: nobody holds them
     assert served.digest in session.sched.no_window
+    assert session.stats.provider_reads == 3  # each read counted (FetchStats: a peer never found shows it)
     fresh_for = session.sched.pick_work(
         session.sched.sources[PUB], session.sched.alive(), stalled=False, now=time.monotonic()
     ).fresh_for

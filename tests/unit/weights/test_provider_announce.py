@@ -60,3 +60,44 @@ def test_a_change_after_a_store_is_never_lost():
     finally:
         stop.set()
         announcer.shutdown()
+
+
+def test_a_fetcher_counts_its_provider_stores_and_why_one_did_not_go_out():
+    """``FetchStats.announcements``: a peer that others never find as a provider shows why (its stores
+    failed, or it held itself unreachable and stored nothing)."""
+    from types import SimpleNamespace
+
+    from echo_p2p.guard.trust import TrustedTrainers
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.keys import SwarmKeys
+    from echo_p2p.net.reachability import Reachability
+    from echo_p2p.transport.weights.fetch.config import FetcherConfig
+    from echo_p2p.transport.weights.fetch.fetcher import WeightFetcher
+
+    library = SimpleNamespace(entries=lambda: [])
+
+    def fetcher(reach: Reachability, **config) -> WeightFetcher:  # real, never started: no DHT
+        return WeightFetcher(
+            None,
+            load_or_create_identity(None),
+            SwarmKeys("r"),
+            TrustedTrainers.from_keys([]),
+            FetcherConfig(**config),
+            endpoint=SimpleNamespace(library=library),
+            reach=reach,
+        )
+
+    # no daemon to ask for its addresses: unreachable, nothing stored
+    alone = fetcher(Reachability(None))
+    assert alone.announce() is False and alone.stats.as_dict()["announcements"] == {"unreachable": 1}
+    dialable = Reachability(None, maddrs=["/ip4/127.0.0.1/tcp/1/p2p/QmX"], status="direct", period=3600.0)
+    dialable._read_at = time.monotonic()  # read just now: kept for the period
+    reachable = fetcher(dialable)
+    outcomes = iter([True, False])
+    reachable.directory.announce_provider = lambda *_a, **_k: next(outcomes)
+    assert reachable.announce() and not reachable.announce()
+    reachable.directory.announce_provider = lambda *_a, **_k: 1 / 0  # a DHT error: best effort, counted
+    assert reachable.announce() is False
+    assert reachable.stats.as_dict()["announcements"] == {"stored": 1, "failed": 2}
+    quiet = fetcher(dialable, serve=False)
+    assert quiet.announce() is False and quiet.stats.announcements == {"not_serving": 1}

@@ -205,6 +205,11 @@ class FetchStats:
     last_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the last fetch
     last_fetch_bytes: int = 0
     banned: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+    # this peer's ProviderRecord stores: stored, failed (no DHT node took it) or skipped (unreachable: nobody
+    # could dial it; not_serving); a peer that others never find shows it here
+    announcements: Counter = field(default_factory=Counter)
+    provider_reads: int = 0  # reads of the providers of a version being fetched
+    last_providers_seen: int = 0  # other peers the last fetch's reads listed as holding or fetching it
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -222,6 +227,9 @@ class FetchStats:
             "phases": dict(self.last_phases),
             "fetch_bytes": self.last_fetch_bytes,
             "banned": dict(self.banned),
+            "announcements": dict(self.announcements),
+            "provider_reads": self.provider_reads,
+            "providers_seen": self.last_providers_seen,
         }
 
 

@@ -334,6 +334,7 @@ class WeightFetcher:
         try:
             self.endpoint.run(session.run(), self.config.fetch_timeout + 5)
             phases["discover"] = session.discover_seconds  # the provider list read before the first request
+            self.stats.last_providers_seen = sum(not s.publisher for s in session.sched.sources.values())
             phases["transfer"] = time.monotonic() - t_start - sum(phases.values())
             self.stats.last_transfer_seconds = phases["transfer"]
         except TimeoutError:
@@ -417,17 +418,21 @@ class WeightFetcher:
 
     def _store_provider_record(self) -> bool:
         if not self.config.serve:
+            self.stats.announcements["not_serving"] += 1
             return False
         if self.reach is not None and self.reach.current()[1] == "unreachable":
+            self.stats.announcements["unreachable"] += 1
             return False  # nobody could dial us: offering chunks would only cost others failed dials
         try:
             self.directory.use_run_record(self.trusted)  # the run record's K, as the role's directory
             record = self._provider_record()
             versions = [*record.versions[-1:], *([] if self._fetching is None else [self._fetching])]
-            return self.directory.announce_provider(record, self.config.record_ttl, versions)
+            stored = self.directory.announce_provider(record, self.config.record_ttl, versions)
         except Exception as exc:  # announcing is best effort; the heartbeat retries
             logger.debug("provider announcement failed: %r", exc)
-            return False
+            stored = False
+        self.stats.announcements["stored" if stored else "failed"] += 1
+        return stored
 
     def _announce_loop(self) -> None:
         while not self._stop.wait(self.config.record_ttl / 3):

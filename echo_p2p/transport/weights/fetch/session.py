@@ -205,6 +205,7 @@ class FetchSession:
             logger.debug("reading providers failed: %r", exc)
             return
         now = time.monotonic()
+        self.stats.provider_reads += 1
         wanted = set(self.sched.order)
         sources = self.sched.sources
         for entry in found:
