@@ -31,6 +31,8 @@ MAX_STR = 256
 #: ``PeerRecord.stalled``: at most this many signal names of at most this many characters (``roles.watchdog``)
 MAX_STALLED_SIGNALS = 8
 MAX_SIGNAL_CHARS = 32
+#: Largest pace a trainer may announce, in policy versions per second (the tiny model moves ~5 on 2 cores).
+MAX_VERSIONS_PER_SECOND = 1000.0
 #: Largest value any echo_p2p DHT node stores under a run's keys (the records' own bounds are below it; the
 #: writer's signature rides in the value, hence the slack).
 MAX_VALUE_BYTES = 64 * 1024 + 1024
@@ -185,6 +187,14 @@ class PeerRecord(WireRecord):
     )
     chunks_served: int | None = Field(
         default=None, ge=0, description="Policy chunks this peer served to others since it started"
+    )
+    versions_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_VERSIONS_PER_SECOND,
+        allow_inf_nan=False,
+        description="Trainer: policy versions per second over its last 30 s of steps; the publisher election's "
+        "pace, read from the records so that every trainer judges with the same one",
     )
     eval_version: int | None = Field(
         default=None,

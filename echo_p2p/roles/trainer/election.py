@@ -35,33 +35,43 @@ def elect_publisher(
     silence the run's publisher. A trainer that is not trusted itself never publishes.
 
     Behind: another trainer's record shows more than ``PUBLISHER_SLACK`` versions more, plus what the run
-    moves (``rate``, versions per second) between the two records' times (``updated_at``). A record is
-    stored once a heartbeat, so two trainers in step announce versions up to a heartbeat apart: the tiny
-    model moves 3-5 versions a second, 10-25 per heartbeat. Compared without their times (as before),
-    the trainer that read its own fresh record beside the other's older one judged the other behind and
-    published too, and the mirror reading made both stand by (``publisher: True`` on both, or on neither,
-    in the late-trainer runs). A trainer still at version 0 (the initial weights: one that joined and has
-    not downloaded the run's state yet) has no slack: elected, it published its initial weights and the
-    trainer that held the run stood by until it caught up. Not behind: a trainer that joins a running run
-    (or fell behind) leaves publishing to one that holds the newest version until it has caught up, so no
-    older version is announced in between. A record's time is taken as at most ``now`` (the reader's
-    clock; DHT nodes agree within hivemind's 3 s): one dated in the future would excuse any lag behind it.
+    moves between the two records' times (``updated_at``) at the run's pace. A record is stored once a
+    heartbeat, so two trainers in step announce versions up to a heartbeat apart: the tiny model moves 3-5
+    versions a second, 10-25 per heartbeat. Compared without their times (as before), the trainer that read
+    its own fresh record beside the other's older one judged the other behind and published too, and the
+    mirror reading made both stand by. The pace is the largest ``versions_per_second`` the records announce
+    (each trainer's own over its last 30 s of steps), so every reader of the same records judges with the
+    same one; ``rate``, the reader's own pace, counts only while its record is not in ``records`` or no
+    record announces one (older peers). With each reader's own pace (as before), a trainer that had just
+    joined (no pace yet, or the slow one of two averaging trainers) and one that had stepped alone (several
+    versions a second) judged a gap of 10-20 versions differently: both stood by (``publisher: False`` on
+    both at the end of a CI run's late-trainer test). A trainer still at version 0 (the initial weights:
+    one that joined and has not downloaded the run's state yet) has no slack: elected, it published its
+    initial weights and the trainer that held the run stood by until it caught up. Not behind: a trainer
+    that joins a running run (or fell behind) leaves publishing to one that holds the newest version until
+    it has caught up, so no older version is announced in between. A record's time is taken as at most
+    ``now`` (the reader's clock; DHT nodes agree within hivemind's 3 s): one dated in the future would
+    excuse any lag behind it.
     """
     if trust is not None and not trust.is_trusted(peer_id):
         return False
     latest = float("inf") if now is None else now
-    held = {
-        r.peer_id: (r.policy_version or 0, min(r.updated_at, latest))
+    running = [
+        r
         for r in records
         if r.role == "trainer" and r.state == "running" and (trust is None or trust.is_trusted(r.peer_id))
-    }
+    ]
+    held = {r.peer_id: (r.policy_version or 0, min(r.updated_at, latest)) for r in running}
+    paces = [r.versions_per_second for r in running if r.versions_per_second is not None]
     if peer_id not in held:  # not announced yet: what we hold now. Otherwise every trainer compares the same
         at = now if now is not None else max((t for _, t in held.values()), default=0.0)  # records, so they
         held[peer_id] = (version or 0, at)  # make the same choice
+        paces.append(rate)
+    pace = max(paces) if paces else rate
 
     def behind(v: int, at: float) -> bool:
         slack = PUBLISHER_SLACK if v > 0 else 0
-        return any(other - v > slack + max(0.0, rate) * max(0.0, when - at) for other, when in held.values())
+        return any(other - v > slack + max(0.0, pace) * max(0.0, when - at) for other, when in held.values())
 
     eligible = [p for p, (v, at) in held.items() if not behind(v, at)]
     return peer_id in eligible and min(eligible) == peer_id
@@ -69,8 +79,8 @@ def elect_publisher(
 
 def version_rate(history: Iterable[tuple[float, int]], window: float = RATE_WINDOW_S) -> float:
     """Versions per second over the last ``window`` seconds of ``history`` ((time, version) of this
-    trainer's steps, oldest first); 0.0 with fewer than two steps in it. Trainers in step move at the same
-    pace, so each one's own estimate serves the election on all of them."""
+    trainer's steps, oldest first); 0.0 with fewer than two steps in it. A trainer announces it in its record
+    (``PeerRecord.versions_per_second``) and the election takes the largest announced."""
     points = list(history)
     if len(points) < 2:
         return 0.0

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from typing import Any
 
 from echo_p2p.metrics import peak_rss_mib
+from echo_p2p.net.records import MAX_VERSIONS_PER_SECOND
 from echo_p2p.roles.base import BasePeer
 from echo_p2p.roles.trainer.catchup import CatchUp
 from echo_p2p.roles.trainer.election import elect_publisher, version_rate
@@ -369,9 +370,13 @@ class TrainerPeer(BasePeer):
             [e.record for e in entries],
             self.trust,
             self.policy_version or 0,
-            rate=version_rate([(t, v) for t, v, _ in list(self.reward_history)]),  # a copy: steps append
+            rate=self._pace(),
             now=time.time(),
         )
+
+    def _pace(self) -> float:
+        """This trainer's versions per second over its recent steps (``version_rate``), for its record."""
+        return version_rate([(t, v) for t, v, _ in list(self.reward_history)])  # a copy: steps append
 
     def on_heartbeat(self) -> None:
         self._update_publisher_role()
@@ -435,6 +440,7 @@ class TrainerPeer(BasePeer):
             "rollouts_consumed": self.rollouts_consumed,
             "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
             "chunks_served": self.publisher.servicer.stats.chunks_served if self.publisher else None,
+            "versions_per_second": round(min(self._pace(), MAX_VERSIONS_PER_SECOND), 3),
             **self._eval_fields(),
         }
 

@@ -12,11 +12,13 @@ def two_trainers():
     return small, large, RunTrust(fixed=TrustedTrainers.from_keys([small, large]))
 
 
-def announced(peer_id: str, version: int, at: float):
-    """A running trainer's record: ``version`` announced at time ``at``."""
+def announced(peer_id: str, version: int, at: float, pace: float | None = None):
+    """A running trainer's record: ``version`` announced at time ``at``, its pace ``pace`` (versions/s)."""
     from echo_p2p.net.records import PeerRecord
 
-    return PeerRecord(peer_id=peer_id, role="trainer", policy_version=version, updated_at=at)
+    return PeerRecord(
+        peer_id=peer_id, role="trainer", policy_version=version, updated_at=at, versions_per_second=pace
+    )
 
 
 def test_the_smallest_running_trusted_trainer_is_elected_publisher():
@@ -114,6 +116,35 @@ def test_trainers_in_step_agree_whichever_record_each_read_fresher():
     future = [announced(large, 140, 1003.0 + 3600), announced(small, 100, 1000.0)]
     assert not elect_publisher(small, future, trust, rate=5.0, now=1003.5)
     assert elect_publisher(large, future, trust, rate=5.0, now=1003.5)
+
+
+def test_trainers_with_different_paces_of_their_own_judge_with_the_records_and_agree():
+    """The pace comes from the records (the largest announced), not from each reader's own steps. With its
+    own, a trainer that had just joined (a pace of 0.5 versions/s: few steps, averaging with the other) and
+    one that had stepped alone (4/s) judged the same 15-version gap between records 2 s apart differently:
+    the joiner thought itself behind (15 > 10 + 1) and stood by, the other thought it was not (15 <= 10 + 8)
+    and stood by for it, so nobody published (both ``publisher: False`` at the end of a CI run's late-trainer
+    test)."""
+    from echo_p2p.roles.trainer.election import elect_publisher
+
+    joiner, other, trust = two_trainers()  # the joiner has the smaller id
+    # before: the same records without paces, each reader with its own
+    plain = [announced(other, 130, 1002.0), announced(joiner, 115, 1000.0)]
+    assert not elect_publisher(joiner, plain, trust, rate=0.5, now=1002.5)
+    assert not elect_publisher(other, plain, trust, rate=4.0, now=1002.5)  # nobody publishes
+    # now: each record carries its trainer's pace, every reader judges with the largest, whatever its own
+    records = [announced(other, 130, 1002.0, pace=4.0), announced(joiner, 115, 1000.0, pace=0.5)]
+    for joiner_rate, other_rate in ((0.5, 4.0), (0.0, 9.0), (4.0, 0.5)):
+        assert elect_publisher(joiner, records, trust, rate=joiner_rate, now=1002.5)
+        assert not elect_publisher(other, records, trust, rate=other_rate, now=1002.5)
+    # really behind at that pace: 40 versions where it explains 8; both see it
+    behind = [announced(other, 155, 1002.0, pace=4.0), announced(joiner, 115, 1000.0, pace=0.5)]
+    assert not elect_publisher(joiner, behind, trust, rate=0.5, now=1002.5)
+    assert elect_publisher(other, behind, trust, rate=0.5, now=1002.5)
+    # a record that announces no pace (an older peer) lends none: the largest announced is the other's
+    older = [announced(other, 130, 1002.0, pace=4.0), announced(joiner, 115, 1000.0)]
+    assert elect_publisher(joiner, older, trust, rate=0.0, now=1002.5)
+    assert not elect_publisher(other, older, trust, rate=0.0, now=1002.5)
 
 
 def test_a_trainer_at_version_0_has_no_slack_but_its_records_age_counts():
