@@ -166,14 +166,14 @@ class BasePeer:
             self.on_shutdown()
         except Exception:
             logger.exception("%s error while stopping the role", self.prefix())
-        try:  # the run's totals, once nothing counts any more
+        for thread in (self._announcer, self._chores):
+            if thread is not None:
+                thread.join(timeout=self.config.network.request_timeout + 1)
+        try:  # the run's totals, once nothing counts any more: after the heartbeat's last status line
             figures = {"reachability": self.reachability, **self.figures(), **self.watchdog.figures()}
             self.metrics.write(self.policy_version, final=True, **figures)
         except Exception as exc:
             logger.debug("could not write the final metrics: %s", exc)
-        for thread in (self._announcer, self._chores):
-            if thread is not None:
-                thread.join(timeout=self.config.network.request_timeout + 1)
         if self.dht is not None:
             try:
                 if self._announced:  # say it leaves (a join refused at start announced nothing)

@@ -115,3 +115,34 @@ def test_a_dht_that_does_not_answer_leaves_the_dht_signal_unbeaten_and_the_heart
     monkeypatch.setattr(base, "neighbour_counts", frozen)
     peer._keep_dht_neighbours()  # returns, raises nothing
     assert beats == []
+
+
+def test_the_final_metrics_line_comes_after_the_heartbeats_last_status_line(tmp_path):
+    """A heartbeat under way when the peer stops writes its status line after the stop: the line marked
+    ``final`` (the run's totals) must still be the file's last (a late-trainer run's trainer wrote a status
+    line 1 s after its final one)."""
+    import json
+
+    peer = unstarted_peer(Peer, tmp_path, heartbeat_period=0.01, metrics_period=0.0)
+    in_heartbeat, stopping = threading.Event(), threading.Event()
+    peer._keep_dht_neighbours = lambda: None
+    peer._keep_run_record = lambda: None
+    peer.refresh_trust = lambda: None
+    peer._remember_peers = lambda: None
+
+    def on_heartbeat() -> None:  # a DHT call that returns only once the peer is stopping
+        in_heartbeat.set()
+        stopping.wait(10)
+
+    peer.on_heartbeat = on_heartbeat
+    original_shutdown = peer.on_shutdown
+    peer.on_shutdown = lambda: (stopping.set(), original_shutdown())
+    peer._chores = threading.Thread(target=peer._chores_loop, daemon=True)
+    peer._chores.start()
+    assert in_heartbeat.wait(10)
+    peer.shutdown()
+    assert not peer._chores.is_alive()
+    (path,) = tmp_path.glob("*.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(lines) >= 2 and not lines[0].get("final"), lines  # the heartbeat's line, then the final one
+    assert lines[-1].get("final") and sum(bool(x.get("final")) for x in lines) == 1, lines
