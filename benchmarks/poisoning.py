@@ -298,7 +298,8 @@ class Run:
             self.counts["empty_steps"] += 1
             return {"step": step, "groups": 0}
         allowances = self.guard.allowances(batch, self.version)
-        stats = self.learner.compute_gradients(batch, gap_allowance=allowances, current_version=self.version)
+        version = self.version
+        stats = self.learner.compute_gradients(batch, gap_allowance=allowances, current_version=version)
         if not stats["nonfinite"]:
             self.trainer.optimizer.step()
             drift = self.learner.measure_drift()
@@ -309,7 +310,11 @@ class Run:
         struck = {s: self.guard.reputation.judgement_stats(s)[1] for s in senders}
         banned = self.guard.judge(batch, self.learner.last_group_gaps, allowances)
         banned += self.guard.judge_samples(
-            batch, self.learner.last_sample_scores, allowances, self.learner.last_group_repeats
+            batch,
+            self.learner.last_sample_scores,
+            allowances,
+            self.learner.last_group_repeats,
+            exact=lambda index: self.learner.exact_scores(batch[index], version),
         )
         for sender in senders:  # at most one sample-check strike per sender per step
             if self.guard.reputation.judgement_stats(sender)[1] > struck[sender]:

@@ -49,6 +49,15 @@ where the learner kept them (``stale_versions``), else forgiven ``stale_slack`` 
 editor claiming old versions would hide in). With a Sybil (a fresh key after each ban) bans alone do not
 bound what the edits teach; leaving the groups out does (``benchmarks/poisoning.py``).
 
+A stale group (sampled at a version before the trainer's) is scored under the policy with the drift since
+its version forgiven (``drift_allowance``), a mean over tokens: while the policy learns fast, the tokens it
+moved most put an honest stale sample further into the tail than the mean forgives (the tail test struck
+honest samplers 3-9 times in some 60 s README runs). So a stale group that would strike its sender is
+judged again, from the level before it, on its scores under the weights of the version it claims, where
+the learner kept them (``stale_versions``, as for the duplicate test; ``SampleDetector.observe_group``): a
+sample is then a sample again, with nothing to forgive (``CompletionScore.exact``), and an edit is as
+unlikely as ever. Only groups that would strike pay for that forward pass.
+
 What it cannot tell: an edit the policy already likes (its tokens in the bulk of the distribution) looks
 like a sample; so does a completion the sender chose among honest samples (issue 32 item 2). The bounds
 hold for a sampler whose distribution is the trainer's; bf16 samplers, stale versions and the nucleus edge
@@ -64,13 +73,18 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+#: ``SampleDetector.observe_group``'s outcome: no alarm; an alarm (a strike); an alarm that the group's scores
+#: under the version it claims confirmed (a strike) or withdrew (none)
+GroupVerdict = Literal["clean", "alarm", "exact_alarm", "withdrawn"]
 
 
 class SamplingCheckConfig(BaseModel):
@@ -156,7 +170,9 @@ class SamplingCheckConfig(BaseModel):
         ge=0,
         description="Past versions whose weights the learner keeps (at most, within stale_versions_mb) to score "
         "a stale group's repeated completions under the version the group claims, where stale_slack would "
-        "forgive an editor that claims older versions its edits (benchmarks/poisoning.py); 0: none kept",
+        "forgive an editor that claims older versions its edits (benchmarks/poisoning.py), and to judge a stale "
+        "group the tail test would strike on its scores under that version (SampleDetector.observe_group); "
+        "0: none kept",
     )
     stale_versions_mb: float = Field(
         default=256.0,
@@ -178,6 +194,9 @@ class CompletionScore:
     tail: float  # sum over its tokens of -log(1 - u): Gamma(tokens, 1) for a sample
     surprisal: float  # sum of -log p(t) - H_t: mean 0 for a sample
     variance: float  # sum of Var_t(-log p): the surprisal's variance for a sample
+    #: scored under the weights of the very version its group claims (``Learner.exact_scores``): the
+    #: policy's drift since then has nothing to forgive
+    exact: bool = False
 
     @property
     def z(self) -> float:
@@ -314,18 +333,52 @@ class SampleDetector:
         self._lock = threading.Lock()
         self.alarms = 0
         self.duplicate_alarms = 0
+        self.alarms_withdrawn = 0  # alarms of stale groups that their scores under their version withdrew
 
     def observe(self, sender: str, score: CompletionScore, drift: float = 0.0) -> bool:
         """Add one of ``sender``'s completions, sampled ``drift`` nats per token of policy movement ago
-        (``guard.drift``: ``drift_allowance`` times it is forgiven); True when its detector crosses the
-        threshold (then reset)."""
+        (``guard.drift``: ``drift_allowance`` times it is forgiven, none for an exact score); True when its
+        detector crosses the threshold (then reset)."""
         if score.tokens <= 0:
             return False
-        log_e = score.log_e(self.config.tilt, self.config.drift_allowance * drift)
+        log_e = score.log_e(self.config.tilt, 0.0 if score.exact else self.config.drift_allowance * drift)
         alarm = self._step(self._level, sender, log_e)
         with self._lock:
             self.alarms += alarm
         return alarm
+
+    def observe_group(
+        self,
+        sender: str,
+        scores: list[CompletionScore],
+        drift: float = 0.0,
+        exact: Callable[[], list[CompletionScore] | None] | None = None,
+    ) -> GroupVerdict:
+        """Add one group of ``sender``'s completions (``observe`` each, up to an alarm): ``clean``, or
+        ``alarm`` (a strike).
+
+        An alarm of a stale group (``drift`` forgiven per token) may be the policy's own move: ``exact``,
+        when given, returns the group's scores under the weights of the version it claims (None: not kept),
+        and the group is then judged again on those from the detector's level before it, with nothing
+        forgiven: ``exact_alarm`` (a strike) or ``withdrawn`` (no strike). Honest samples are samples of
+        that version; an edit is as unlikely under it as ever."""
+        with self._lock:
+            before = self._level.get(sender)
+        if not any(self.observe(sender, score, drift) for score in scores):
+            return "clean"
+        rescored = exact() if exact is not None else None
+        if rescored is None:
+            return "alarm"
+        with self._lock:  # this group's alarm is taken back: its sender's detector as it was before it
+            self.alarms -= 1
+            self._level.pop(sender, None)
+            if before is not None:
+                self._level[sender] = before
+        if any(self.observe(sender, score, 0.0) for score in rescored):
+            return "exact_alarm"
+        with self._lock:
+            self.alarms_withdrawn += 1
+        return "withdrawn"
 
     def observe_repeats(self, sender: str, log_e: float) -> bool:
         """Add one of ``sender``'s groups to its duplicate detector, ``log_e`` the log of the group's duplicate

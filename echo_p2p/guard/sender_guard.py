@@ -14,8 +14,10 @@ trainers shares none: anyone could ban an honest peer). Every DHT call is bounde
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from echo_p2p.guard.drift import PolicyDrift
@@ -90,6 +92,7 @@ class SenderGuard:
         scores: list[list[CompletionScore]],
         allowances: list[float | None],
         repeats: list[float | None] | None = None,
+        exact: Callable[[int], list[CompletionScore] | None] | None = None,
     ) -> list[str]:
         """Feed each trained group's completion scores (``Learner.last_sample_scores``) to its sender's
         detector, with the group's allowance (``allowances``: a group whose allowance is unknown is not
@@ -106,11 +109,15 @@ class SenderGuard:
         after a clean stretch (before the policy learned there was little to edit), once its strikes are
         half of its recent batches. A duplicate alarm is exact evidence (no shake to forgive where the
         learner kept the group's version): the ``duplicate_ban_alarms``-th within the window bans at once
-        (``Reputation.alarmed``)."""
+        (``Reputation.alarmed``).
+
+        ``exact`` (``Learner.exact_scores`` of the group at that index): where the tail test would strike a
+        stale group, its scores under the version it claims, or None; the group is judged on those instead
+        (``SampleDetector.observe_group``)."""
         if self.samples is None:
             return []
         banned: list[str] = []
-        struck: set[str] = set()
+        struck: dict[str, str] = {}  # sender -> what alarmed
         judged: dict[str, None] = {}  # senders in the order first seen
         for index, (scored, group_scores, allowance) in enumerate(
             zip(groups, scores, allowances, strict=False)
@@ -131,12 +138,32 @@ class SenderGuard:
                         f"its groups repeat completions the policy finds unlikely ({needed} alarms of the "
                         "duplicate test)",
                     )
-            if repeated or any(self.samples.observe(sender, score, allowance) for score in group_scores):
-                struck.add(sender)
+                struck[sender] = "the duplicate test"
+                continue
+            verdict = self.samples.observe_group(
+                sender,
+                group_scores,
+                allowance,
+                None if exact is None else functools.partial(exact, index),
+            )
+            if verdict == "withdrawn":
+                self.counters["tail_alarms_withdrawn"] += 1  # the policy's move, not the sender's
+            elif verdict != "clean":
+                exactly = verdict == "exact_alarm"
+                struck[sender] = "the tail test, " + (
+                    "its group scored under the version it claims"
+                    if exactly
+                    else f"{allowance:.3f} nats of the policy's drift forgiven"
+                )
+                self.counters["tail_strikes_exact" if exactly else "tail_strikes"] += 1
         for sender in judged:
             if sender in struck:
                 self.counters["not_sampled_strikes"] += 1
-                logger.info("strike against %s: its completions are unlikely samples of the policy", sender)
+                logger.info(
+                    "strike against %s: its completions are unlikely samples of the policy (%s)",
+                    sender,
+                    struck[sender],
+                )
             if self.reputation.judged(sender, sender in struck, "not_sampled"):  # False once banned
                 banned.append(sender)
                 self._banned(sender, "its completions are not samples of the policy")

@@ -15,14 +15,13 @@ the caller, which either calls ``optimizer.step()`` itself after ``compute_gradi
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import functools
 import inspect
 import math
 import random
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
 from echo_p2p.train.memory import memory_token_limit
+from echo_p2p.train.past_weights import PastWeights
 from echo_p2p.train.scored import ScoredGroup
 
 
@@ -140,10 +140,13 @@ class Learner:
         self.last_group_repeats: list[float | None] = []
         #: the order a group's completions are taken in by the duplicate test
         self._repeat_order = random.Random(secrets.randbits(64))
-        #: the weights of the last versions trained (version -> parameter copies), for the duplicate test of
-        #: stale groups (``SamplingCheckConfig.stale_versions``)
-        self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
-        self._scorer: torch.nn.Module | None = None  # a copy of the model that holds a kept version to score
+        #: the weights of the last versions trained, to score stale groups under the version they claim
+        #: (``SamplingCheckConfig.stale_versions``); None when the check is off
+        self.past = (
+            PastWeights(model, self.sampling_check.stale_versions, self.sampling_check.stale_versions_mb)
+            if self.sampling_check is not None
+            else None
+        )
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -214,7 +217,8 @@ class Learner:
         self._probe = None
         group_scores: list[list[CompletionScore]] = [[] for _ in groups]
         not_sampled = 0  # completions left out of the loss as unlikely samples of the policy
-        self._keep_version(current_version)
+        if self.past is not None:
+            self.past.record(current_version)
         repeats = self._repeat_evidence(groups, gap_allowance, current_version)
         bound = math.log(self.sampling_check.duplicate_exclude_e) if self.sampling_check is not None else 0.0
         # groups whose completions repeat far more than samples would: left out whole (their advantages
@@ -320,6 +324,37 @@ class Learner:
             logits, mb.input_ids, mb.completion_mask, self.derived.temperature, self._pit_rng
         )
 
+    def exact_scores(self, scored: ScoredGroup, current_version: int | None) -> list[CompletionScore] | None:
+        """``scored``'s completion scores under the kept weights of the version it claims (each
+        ``CompletionScore.exact``: the policy's drift since then has nothing to forgive), or None when the
+        group is not stale or that version's weights are not kept (too old, or a model too large to keep
+        versions of: ``SamplingCheckConfig.stale_versions``). A forward pass without gradient; the sender
+        guard asks for it only where the tail test would strike a stale group
+        (``SampleDetector.observe_group``)."""
+        version = scored.policy_version
+        if (
+            self.past is None
+            or current_version is None
+            or version >= current_version
+            or version not in self.past
+        ):
+            return None
+        out: list[CompletionScore] = []
+        model = self.past.model_at(version)
+        batch = self.build_batch([scored])
+        with torch.no_grad(), rounded_weights(model, self.derived.policy_precision):
+            for mb in split_micro_batches(
+                batch, self.config.micro_batch_size, self.max_tokens_per_micro_batch
+            ):
+                mb = mb.to(self.device)
+                logits = _forward_logits(model, mb.input_ids, mb.attention_mask, _positions_to_keep(mb))
+                scores = completion_scores(
+                    logits, mb.input_ids, mb.completion_mask, self.derived.temperature, self._pit_rng
+                )
+                del logits
+                out += [dataclasses.replace(score, exact=True) for score in scores]
+        return out
+
     def _repeat_evidence(
         self,
         groups: Sequence[ScoredGroup],
@@ -350,7 +385,7 @@ class Learner:
         def kept(index: int) -> int | None:  # the version whose weights score this group's repeats
             version = groups[index].policy_version
             stale = current_version is not None and version < current_version
-            return version if stale and version in self._versions else None
+            return version if stale and self.past is not None and version in self.past else None
 
         logprob: dict[tuple[int, tuple[int, ...]], float] = {}
         for version in {kept(i) for i, _ in repeated}:
@@ -379,33 +414,6 @@ class Learner:
             )
         return out
 
-    def _keep_version(self, version: int | None) -> None:
-        """Keep a copy of the weights of ``version`` (the model's now) for the duplicate test of groups that
-        will claim it: this one and the ``stale_versions`` before it, when they fit in ``stale_versions_mb``."""
-        check = self.sampling_check
-        if version is None or check is None or check.duplicate_bet <= 0 or version in self._versions:
-            return
-        size = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # the current version, the kept past ones and the copy that scores them
-        if check.stale_versions <= 0 or size * (check.stale_versions + 2) > check.stale_versions_mb * 2**20:
-            return
-        with torch.no_grad():
-            self._versions[version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        while len(self._versions) > check.stale_versions + 1:
-            self._versions.popitem(last=False)
-
-    def _model_at(self, version: int | None) -> torch.nn.Module:
-        """The policy (``version`` None), or a scoring copy of it holding the kept weights of ``version``: the
-        live model is never touched (hivemind's averagers may read its parameters meanwhile)."""
-        if version is None:
-            return self.model
-        if self._scorer is None:
-            self._scorer = copy.deepcopy(self.model).requires_grad_(False)
-        with torch.no_grad():
-            for name, param in self._scorer.named_parameters():
-                param.copy_(self._versions[version][name])
-        return self._scorer
-
     def _sequence_logprobs(
         self,
         groups: Sequence[ScoredGroup],
@@ -418,7 +426,7 @@ class Learner:
         without gradient."""
         run, out = self.derived, []
         pad = run.pad_token_id
-        model = self._model_at(version)
+        model = self.model if version is None or self.past is None else self.past.model_at(version)
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             seqs = [(list(groups[i].group.prompt_token_ids), list(ids)) for i, ids in part]

@@ -281,7 +281,11 @@ class TrainerPeer(BasePeer):
         self.update_seconds += time.monotonic() - t0
         self.guard.judge(batch, self.learner.last_group_gaps, allowances)
         self.guard.judge_samples(
-            batch, self.learner.last_sample_scores, allowances, self.learner.last_group_repeats
+            batch,
+            self.learner.last_sample_scores,
+            allowances,
+            self.learner.last_group_repeats,
+            exact=lambda index: self.learner.exact_scores(batch[index], version_before),
         )
         if result.skipped:
             self.intake.discarded(batch)
@@ -355,6 +359,8 @@ class TrainerPeer(BasePeer):
             return
         self.policy_version = self._stepper.version
         self.guard.drift.reset()
+        if self.learner.past is not None:  # the versions after the reloaded one will be trained again
+            self.learner.past.clear()
         self.intake.reached(self.policy_version)
         logger.warning("%s reloaded version %d from %s", self.prefix(), self.policy_version, source)
 

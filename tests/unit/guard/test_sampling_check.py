@@ -26,6 +26,7 @@ from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
 VOCAB = 24
+CHECK = SamplingCheckConfig()
 PROMPT = 3
 
 
@@ -229,6 +230,54 @@ def test_the_learner_leaves_edited_completions_out_and_the_guard_strikes_and_ban
     assert SenderGuard(ReputationConfig(), "me", sampling=SamplingCheckConfig(enabled=False)).samples is None
 
 
+def test_a_stale_group_that_would_strike_is_judged_under_the_version_it_claims():
+    """Honest samples of version 0 trained at version 1, after the policy moved far from them (a drift the
+    small allowance of 0.05 nats per token does not cover): scored under the policy they look like edits
+    and strike their sender. Judged again on their scores under version 0's kept weights
+    (``Learner.exact_scores``, ``SampleDetector.observe_group``) they are samples: the alarm is withdrawn,
+    the detector is back where it was before the group. An edited stale group still strikes under its
+    version; a fresh group, or one whose version is no longer kept, has nothing to be judged under."""
+    params = SamplingParams(temperature=1.0)
+    derived = DerivedSettings(temperature=1.0)
+    ids = sample(Bigram(4, sharpness=3.0), 32, 8, params, 5, one_prompt=True)  # version 0's samples
+    edited_ids = ids.clone()
+    with torch.no_grad():
+        for t in (-2, -1):  # the last two tokens: version 0's least likely
+            edited_ids[:, t] = Bigram(4, sharpness=3.0).table[edited_ids[:, t - 1]].argmin(-1)
+    honest, edited = groups_of(ids, "honest"), groups_of(edited_ids, "editor")
+    batch, drift = honest + edited, [0.05] * 8
+    learner = Learner(
+        Bigram(4, sharpness=3.0), GRPOConfig(max_grad_norm=None), derived=derived, sampling_check=CHECK
+    )
+    learner.compute_gradients(honest[:1], current_version=0)  # trains at version 0: its weights kept
+    with torch.no_grad():  # version 1: another policy altogether
+        learner.model.table.copy_(Bigram(7, sharpness=3.0).table)
+    learner.compute_gradients(batch, gap_allowance=drift, current_version=1)
+    scores = learner.last_sample_scores
+
+    def exact(index: int):
+        return learner.exact_scores(batch[index], current_version=1)
+
+    approximate = SenderGuard(ReputationConfig(), "me", sampling=CHECK)  # without the scores at the version
+    approximate.judge_samples(batch, scores, drift)
+    assert approximate.reputation.judgement_stats("honest") == (1, 1)  # struck for the policy's own move
+    guard = SenderGuard(ReputationConfig(), "me", sampling=CHECK)
+    guard.judge_samples(batch, scores, drift, exact=exact)
+    assert guard.reputation.judgement_stats("honest") == (1, 0)
+    assert guard.reputation.judgement_stats("editor") == (1, 1)
+    assert guard.stats()["tail_strikes_exact"] == 1 and "tail_strikes" not in guard.stats()
+    assert guard.stats()["tail_alarms_withdrawn"] >= 1 and guard.samples.alarms == 1
+    # the honest sender's detector holds what its samples say under their version: far below an alarm
+    assert guard.samples.level("honest") < 10
+    rescored = exact(0)
+    assert rescored is not None and len(rescored) == 8 and all(s.exact for s in rescored)
+    assert all(s.p_value() > 1e-3 for s in rescored)  # samples of version 0, scored under version 0
+    # nothing to judge under: a fresh group, a version not kept
+    assert learner.exact_scores(batch[0], current_version=0) is None
+    learner.past.clear()
+    assert exact(0) is None
+
+
 def test_strikes_from_other_checks_ban_within_the_window():
     rep = Reputation(ReputationConfig(strikes=3, window=100, ban_seconds=50))
     assert not rep.strike("editor", "not_sampled", now=0) and not rep.strike("editor", "not_sampled", now=1)
@@ -249,12 +298,12 @@ def test_a_burst_of_alarms_bans_a_sender_whose_recent_batches_were_clean_only_if
         def __init__(self):
             self.alarm: dict[str, bool] = {}
 
-        def observe(self, sender, score, drift=0.0):
-            return self.alarm.get(sender, False)
+        def observe_group(self, sender, scores, drift=0.0, exact=None):
+            return "alarm" if self.alarm.get(sender, False) else "clean"
 
     def batch(*senders):
         groups = [SimpleNamespace(group=SimpleNamespace(sampler_peer_id=s)) for s in senders]
-        return groups, [[object(), object()] for _ in senders], [0.0] * len(senders)
+        return groups, [[CompletionScore(1, 1.0, 0.0, 1.0)] * 2 for _ in senders], [0.0] * len(senders)
 
     guard = SenderGuard(
         ReputationConfig(strikes=3, recent_groups=1000, recent_judgements=20),
