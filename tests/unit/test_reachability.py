@@ -72,3 +72,36 @@ def test_relay_options_reserve_on_static_relays_and_force_reachability_when_told
     assert flags == {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
     auto = relay_options([CIRCUIT.split("/p2p-circuit")[0]], "auto")
     assert P2P.FORCE_REACHABILITY_MAPPING[auto["force_reachability"]] == {"relayDiscovery": 0}
+
+
+def test_an_unreachable_node_reads_its_addresses_again_within_the_retry_not_the_period() -> None:
+    """A first read that fails, or finds no address yet, is not held for the whole period: a weight receiver
+    announced nothing for 5 s that way while others waited for its chunks."""
+    import concurrent.futures
+    import time
+
+    from echo_p2p.net.reachability import Reachability
+
+    answers: list = [RuntimeError("daemon busy"), [], [LOOP], [HOME]]
+    reads: list[float] = []
+
+    class Daemon:  # what ``DHT.run_coroutine`` hands back: a future of the daemon's visible addresses
+        def run_coroutine(self, _coro, return_future: bool = False):
+            reads.append(time.monotonic())
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+            return future
+
+    reach = Reachability(Daemon(), [LOOP], period=3600.0, retry=0.05)
+    assert reach.current() == ([], "unreachable")  # the read failed
+    assert reach.current() == ([], "unreachable") and len(reads) == 1  # within the retry: not read again
+    time.sleep(0.06)
+    assert reach.current() == ([], "unreachable") and len(reads) == 2  # read again: no address yet
+    time.sleep(0.06)
+    assert reach.current() == ([LOOP], "direct") and len(reads) == 3
+    time.sleep(0.06)
+    assert reach.current() == ([LOOP], "direct") and len(reads) == 3  # reachable: the period holds
