@@ -27,13 +27,14 @@ class PastWeights:
         self.model = model
         self.keep = keep
         self.budget_mb = budget_mb
+        # the model's size never changes: what a copy takes is counted once, not at every version recorded
+        self._copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._scorer: torch.nn.Module | None = None  # the copy that holds a kept version to score
 
     def fits(self) -> bool:
         """Whether the current version, ``keep`` past ones and the scoring copy fit in the budget."""
-        size = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return self.keep > 0 and size * (self.keep + 2) <= self.budget_mb * 2**20
+        return self.keep > 0 and self._copy_bytes * (self.keep + 2) <= self.budget_mb * 2**20
 
     def record(self, version: int | None) -> None:
         """Keep a copy of the model's weights now as ``version``'s (the oldest go past ``keep`` + 1); nothing
