@@ -10,7 +10,9 @@ Callers: the bootstrap, the peers and the swarm CLI. No torch.nn.
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import functools
 import ipaddress
 import logging
 import re
@@ -335,8 +337,6 @@ def rejoin_dht(dht, maddrs: Sequence[str], timeout: float) -> tuple[int, int]:
 
 async def _rejoin(_dht, node, maddrs: list[str], timeout: float) -> tuple[int, int]:
     # runs inside the DHT's child process (pickled there): module-level, standard and hivemind imports only
-    import asyncio
-
     from hivemind.p2p import PeerID
 
     from echo_p2p.net.reachability import daemon_maddr
@@ -376,13 +376,30 @@ async def _rejoin(_dht, node, maddrs: list[str], timeout: float) -> tuple[int, i
     return answered, len(node.protocol.routing_table.peer_id_to_uid)
 
 
-def neighbour_counts(dht, timeout: float = 5.0) -> tuple[int, int]:
-    """(peers in the DHT routing table, peers with an open libp2p connection)."""
-    return dht.run_coroutine(_count_neighbours, return_future=True).result(timeout=timeout)
+#: Seconds the libp2p daemon gets to list its open connections for ``neighbour_counts``. It has left that call
+#: unanswered for more than 10 s on a loaded machine (the client's request timeout): a trainer's heartbeat
+#: was held that long, and its publisher election with it (a CI failover took 15.6 s where 3-5 s is usual).
+#: The routing table's size needs no daemon call and comes back whatever the daemon does.
+LIST_PEERS_TIMEOUT = 2.0
 
 
-async def _count_neighbours(_dht, node) -> tuple[int, int]:
-    # runs inside the DHT's child process: must be a module-level function (it is pickled there)
+def neighbour_counts(dht, timeout: float = 5.0, connections: bool = True) -> tuple[int, int]:
+    """(peers in the DHT routing table, peers with an open libp2p connection). Connections are -1 when not
+    asked for (``connections=False``: no call to the libp2p daemon) or when the daemon did not list them
+    within ``LIST_PEERS_TIMEOUT`` (at most half of ``timeout``)."""
+    wait = min(LIST_PEERS_TIMEOUT, timeout / 2) if connections else None
+    count = functools.partial(_count_neighbours, list_timeout=wait)
+    return dht.run_coroutine(count, return_future=True).result(timeout=timeout)
+
+
+async def _count_neighbours(_dht, node, list_timeout: float | None = None) -> tuple[int, int]:
+    # runs inside the DHT's child process: a module-level function (pickled there, with its argument)
     table = len(node.protocol.routing_table.peer_id_to_uid)
-    connected = len(await node.p2p.list_peers())
+    if list_timeout is None:
+        return table, -1
+    try:
+        connected = len(await asyncio.wait_for(node.p2p.list_peers(), list_timeout))
+    except asyncio.TimeoutError:
+        logger.debug("the libp2p daemon did not list its connections within %.1f s", list_timeout)
+        connected = -1
     return table, connected

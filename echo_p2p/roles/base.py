@@ -13,10 +13,12 @@ process behind. Callers: ``echo_p2p.peer`` (the CLI) and tests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from echo_p2p import PROTOCOL_VERSION, __version__
@@ -83,6 +85,7 @@ class BasePeer:
             0  # times the DHT lost every neighbour and pinged its way back (net.node.rejoin_dht)
         )
         self._next_rejoin = 0.0  # monotonic time before which no rejoin is tried again
+        self.slow_heartbeats = 0  # heartbeats whose chores took longer than record_ttl (_judge_heartbeat)
 
     @property
     def peer_id(self) -> str:
@@ -332,18 +335,39 @@ class BasePeer:
         ``metrics_period``: the status line and the peer cache."""
         next_metrics = time.monotonic()
         while not self.stop_event.wait(self.config.heartbeat_period):
+            took: dict[str, float] = {}  # seconds each chore took
+            timed = functools.partial(_timed, took)
             try:
-                self._keep_dht_neighbours()
-                self._keep_run_record()
-                self.refresh_trust()
-                self.on_heartbeat()
+                timed("dht_neighbours", self._keep_dht_neighbours)
+                timed("run_record", self._keep_run_record)
+                timed("trust", self.refresh_trust)
+                timed("role", self.on_heartbeat)
                 if time.monotonic() >= next_metrics:
                     next_metrics = time.monotonic() + self.config.metrics_period
-                    self._status()
-                    self._remember_peers()
+                    timed("status", self._status)
+                    timed("peer_cache", self._remember_peers)
             except (Exception, GeneratorExit, asyncio.CancelledError):
                 logger.exception("%s heartbeat failed; will retry", self.prefix())
+            self._judge_heartbeat(took)
             self.watchdog.beat("heartbeat")  # its DHT calls came back (each has a deadline), failed or not
+
+    def _judge_heartbeat(self, took: dict[str, float]) -> None:
+        """Say so when one heartbeat's chores took longer than a record lives (``record_ttl``): what the
+        heartbeat keeps (the publisher election, trust, the status line) was that much late, and which chore
+        took the time (each DHT call has a deadline of ``request_timeout``)."""
+        total = sum(took.values())
+        if total <= self.config.record_ttl or not took:
+            return
+        self.slow_heartbeats += 1
+        slowest = max(took, key=took.__getitem__)
+        logger.warning(
+            "%s a heartbeat took %.1f s (record_ttl %.1f s), the most in %s: %s",
+            self.prefix(),
+            total,
+            self.config.record_ttl,
+            slowest,
+            " ".join(f"{k}={v:.1f}" for k, v in took.items()),
+        )
 
     def _keep_dht_neighbours(self) -> None:
         """A DHT node whose routing table emptied (cut off long enough for every neighbour to be dropped)
@@ -353,7 +377,9 @@ class BasePeer:
         if self.dht is None:
             return
         try:
-            table, _ = neighbour_counts(self.dht, timeout=self.config.network.request_timeout)
+            table, _ = neighbour_counts(
+                self.dht, timeout=self.config.network.request_timeout, connections=False
+            )
         except Exception as exc:  # a DHT that does not answer (frozen, dead): the 'dht' signal stays unbeaten
             logger.debug("%s counting the DHT's neighbours failed: %r", self.prefix(), exc)
             return  # and the rest of the heartbeat (metrics included) goes on
@@ -435,6 +461,7 @@ class BasePeer:
             "connections": connected,
             "reachability": self.reachability,
             "dht_rejoins": self.dht_rejoins,
+            "slow_heartbeats": self.slow_heartbeats,
         }
         figures.update(self.figures())
         figures.update(self.watchdog.figures())
@@ -444,3 +471,12 @@ class BasePeer:
             self.prefix(),
             " ".join(f"{k}={v}" for k, v in figures.items() if not isinstance(v, dict)),
         )
+
+
+def _timed(took: dict[str, float], name: str, chore: Callable[[], object]) -> None:
+    """Run ``chore``, writing the seconds it took into ``took[name]`` (raised or not)."""
+    began = time.monotonic()
+    try:
+        chore()
+    finally:
+        took[name] = time.monotonic() - began

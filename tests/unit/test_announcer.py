@@ -82,7 +82,7 @@ def test_an_empty_dht_routing_table_is_refilled_at_most_every_few_seconds_and_be
     peer.watchdog = types.SimpleNamespace(beat=beats.append)
     table = [0]
     pinged = []
-    monkeypatch.setattr(base, "neighbour_counts", lambda dht, timeout: (table[0], 3))
+    monkeypatch.setattr(base, "neighbour_counts", lambda dht, timeout, connections=True: (table[0], 3))
 
     def rejoin(dht, maddrs, timeout):
         pinged.append(list(maddrs))
@@ -109,7 +109,7 @@ def test_a_dht_that_does_not_answer_leaves_the_dht_signal_unbeaten_and_the_heart
     beats = []
     peer.watchdog = types.SimpleNamespace(beat=beats.append)
 
-    def frozen(dht, timeout):
+    def frozen(dht, timeout, connections=True):
         raise TimeoutError("no answer")
 
     monkeypatch.setattr(base, "neighbour_counts", frozen)
@@ -146,3 +146,29 @@ def test_the_final_metrics_line_comes_after_the_heartbeats_last_status_line(tmp_
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert len(lines) >= 2 and not lines[0].get("final"), lines  # the heartbeat's line, then the final one
     assert lines[-1].get("final") and sum(bool(x.get("final")) for x in lines) == 1, lines
+
+
+def test_a_heartbeat_longer_than_a_record_lives_is_counted_and_names_its_slowest_chore(caplog):
+    """A heartbeat whose chores take longer than ``record_ttl`` says so: its publisher election and status
+    line were that late (a CI failover took 15 s where 3-5 s is usual, and nothing said why)."""
+    peer = base_peer(heartbeat_period=0.01, metrics_period=3600.0, record_ttl=0.05)
+    beats = []
+    peer._keep_dht_neighbours = lambda: None
+    peer._keep_run_record = lambda: None
+    peer.refresh_trust = lambda: None
+    peer._status = lambda: None
+    peer._remember_peers = lambda: None
+
+    def on_heartbeat():
+        beats.append(1)
+        if len(beats) == 2:
+            threading.Event().wait(0.2)  # one slow DHT call
+        if len(beats) >= 4:
+            peer.stop_event.set()
+
+    peer.on_heartbeat = on_heartbeat
+    with caplog.at_level("WARNING", logger="echo_p2p.roles.base"):
+        peer._chores_loop()
+    assert peer.slow_heartbeats == 1
+    slow = [r.getMessage() for r in caplog.records if "a heartbeat took" in r.getMessage()]
+    assert len(slow) == 1 and "the most in role" in slow[0], slow
