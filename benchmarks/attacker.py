@@ -16,7 +16,7 @@ joins the run's DHT from its join address, finds the trainers in the directory a
 * ``ghost``: stores one ``role: trainer`` record under a key (ground beforehand with ``--key-dir``) whose peer
   id sorts below every trainer's,
   expiring as late as the DHT lets it, and leaves at once (the ghost trainer);
-* ``sybil``: with keys made beforehand (``--key-dir``; without it, as many as it can make, one every ~0.1 s)
+* ``sybil``: with keys made beforehand (``--key-dir``, 32 keys' stores in flight at once; without it, as many as it can make, one every ~0.1 s)
   and from its own DHT node (which keeps and serves what it stores), has each one announce an inference peer, a trainer accepting rollouts and a weight
   provider claiming what the best real provider holds, all at addresses where nobody answers; re-stored
   every 60 s;
@@ -54,6 +54,8 @@ from collections import Counter
 from pathlib import Path
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+#: Sybil keys whose records are stored at once (three stores each, in flight together).
+SYBIL_IN_FLIGHT = 32
 
 
 def _run_sampling():
@@ -415,20 +417,27 @@ class Attacker:
         while not self.stop.is_set() and time.monotonic() < deadline:
             if time.monotonic() - refreshed > 60:  # every record alive: stored again
                 refreshed = time.monotonic()
-                for key in keys:
-                    self._sybil_store(key)
+                for start in range(0, len(keys), SYBIL_IN_FLIGHT):
+                    self._sybil_store(keys[start : start + SYBIL_IN_FLIGHT])
             if made and len(keys) >= len(made):  # only the keys made beforehand (on "its own machine")
                 self.stop.wait(1.0)
                 continue
-            keys.append(load_or_create_identity(str(made[len(keys)]) if made else None))
-            self._sybil_store(keys[-1])
+            batch = [
+                load_or_create_identity(str(made[i]) if made else None)
+                for i in range(
+                    len(keys), min(len(keys) + SYBIL_IN_FLIGHT, len(made)) if made else len(keys) + 1
+                )
+            ]
+            keys += batch
+            self._sybil_store(batch)
         self.seen["keys"] = len(keys)
         for key in keys:
             key.cleanup()
         return dict(self.seen)
 
-    def _sybil_store(self, key) -> None:
-        """One Sybil key's three records, at an address where nobody answers (the discard port)."""
+    def _sybil_store(self, batch: list) -> None:
+        """The three records of each Sybil key in ``batch``, at an address where nobody answers (the discard
+        port), all stores in flight at once; the claims to copy read once for the batch."""
         from sybil import SignedStore
 
         from echo_p2p.net.buckets import bucket_of
@@ -438,29 +447,34 @@ class Attacker:
         real = [e.record for e in self.directory.providers(version, max_age=10.0)]  # the claims to copy
         best = max(real, key=lambda r: max(r.versions, default=-1), default=None)
         claims = best.model_dump(include={"versions", "encodings", "stream_id", "manifests"}) if best else {}
-        maddrs = [f"/ip4/127.0.0.1/tcp/9/p2p/{key.peer_id}"]
         k = self.directory.buckets  # the README run's: one bucket (its run record names no K)
-        bucket = bucket_of(key.peer_id, k)
-        records = (
-            (
-                "peers",
-                self.keys.peers(k, bucket),
-                PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs),
-            ),
-            (
-                "trainers",
-                self.keys.trainers,
-                PeerRecord(peer_id=key.peer_id, role="trainer", maddrs=maddrs, accepts_rollouts=True),
-            ),
-            (
-                "providers",
-                self.keys.providers(k, bucket, version),
-                ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims),
-            ),
-        )
-        for name, dht_key, record in records:
+        pending = []
+        for key in batch:
+            maddrs = [f"/ip4/127.0.0.1/tcp/9/p2p/{key.peer_id}"]
+            bucket = bucket_of(key.peer_id, k)
+            records = (
+                (
+                    "peers",
+                    self.keys.peers(k, bucket),
+                    PeerRecord(peer_id=key.peer_id, role="inference", maddrs=maddrs),
+                ),
+                (
+                    "trainers",
+                    self.keys.trainers,
+                    PeerRecord(peer_id=key.peer_id, role="trainer", maddrs=maddrs, accepts_rollouts=True),
+                ),
+                (
+                    "providers",
+                    self.keys.providers(k, bucket, version),
+                    ProviderRecord(peer_id=key.peer_id, maddrs=maddrs, **claims),
+                ),
+            )
+            for name, dht_key, record in records:
+                store = SignedStore(dht_key, key.private_key, record.to_wire())
+                pending.append((name, self.dht.run_coroutine(store, return_future=True)))
+        for name, future in pending:
             try:
-                stored = self.dht.run_coroutine(SignedStore(dht_key, key.private_key, record.to_wire()))
+                stored = future.result(timeout=30)
             except Exception:
                 stored = False
             self.seen[f"{name}_{'stored' if stored else 'refused'}"] += 1

@@ -14,7 +14,10 @@ and what the attacker saw (the trainers'
 verdicts on what it sent, or the DHT's).
 
 The ``idle`` arm is the control for the attacker's own processes (a DHT node, p2pd, a Python loop) on these
-two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over the idle arms' mean.
+two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over the idle arms' mean. Run as
+root, the attacker's processes also share a cgroup whose CPU quota is ``--attacker-cpu`` cores (0.25 by
+default; ``attacker_cpu_limit`` in the JSON: the quota and how often it was throttled), so that what they take
+of these cores is bounded alike in every arm, as on a machine of its own; without root, nice 19 only.
 
 Run: ``python benchmarks/attacks.py [--duration 60] [--arms baseline,idle,poison,oversized,heavy,flood,ghost,
 idle,baseline] [--out PATH]`` (``slow-late``, ``slow-drip``, ``slow-never``: a weight provider that serves valid
@@ -40,8 +43,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-#: Keys the sybil attacker gets before its arm starts (it makes more, on the run's cores, if it needs them).
-SYBIL_KEYS = 300
+#: Keys the sybil attacker gets before its arm starts (``--sybil-keys``; it makes no more).
+SYBIL_KEYS = 1000
+#: Where this machine's cgroup CPU controller is mounted: v1's own hierarchy, or the v2 unified one.
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
 ARMS = (
     *("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit"),
     *("slow-late", "slow-drip", "slow-never", "follow"),
@@ -70,18 +76,95 @@ def stop(proc: subprocess.Popen | None, grace: float = 20.0) -> None:
         proc.wait(timeout=10)
 
 
-def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, Any]:
+class CpuLimit:
+    """A cgroup of its own whose processes together get at most ``cores`` of CPU time (CFS quota), for the
+    attacker: on a real network it has a machine of its own, and on these shared cores what its messages
+    cost the run must be told apart from what its processes take from the run's CPU (issue 29).
+
+    ``join`` (a ``preexec_fn``) moves the new process into the group before it runs the attacker; every
+    process it starts (its DHT child, p2pd) inherits the group. ``figures`` reads the controller's throttling
+    counters; ``remove`` deletes the group once its processes are gone. ``reason`` says why there is no group
+    (not root, no writable CPU controller): the attacker then runs at nice 19 only, as before."""
+
+    def __init__(self, cores: float, name: str) -> None:
+        self.cores = cores
+        self.path: Path | None = None
+        self.procs_file = "cgroup.procs"
+        self.reason = ""
+        period = 100_000  # microseconds, the kernel's default CFS period
+        quota = max(1_000, int(cores * period))
+        try:
+            if CGROUP_V1_CPU.is_dir() and (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists():
+                self.path = CGROUP_V1_CPU / name
+                self.path.mkdir()
+                (self.path / "cpu.cfs_period_us").write_text(str(period))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            elif "cpu" in (CGROUP_V2 / "cgroup.controllers").read_text().split():
+                self.path = CGROUP_V2 / name
+                self.path.mkdir()
+                (self.path / "cpu.max").write_text(f"{quota} {period}")
+            else:
+                self.reason = "no cgroup CPU controller on this machine"
+        except OSError as exc:
+            self.reason = f"cannot make a cgroup ({exc.strerror or exc}; run as root)"
+            self.remove()
+
+    def join(self) -> None:
+        if self.path is not None:
+            (self.path / self.procs_file).write_text(str(os.getpid()))
+
+    def figures(self) -> dict[str, Any]:
+        """The group's CFS counters (periods, those throttled, seconds throttled), or the reason for none."""
+        if self.path is None:
+            return {"cores": None, "reason": self.reason}
+        stat = dict(
+            line.split() for line in (self.path / "cpu.stat").read_text().splitlines() if line.strip()
+        )
+        throttled_s = int(stat.get("throttled_time", 0)) / 1e9 or int(stat.get("throttled_usec", 0)) / 1e6
+        out: dict[str, Any] = {"cores": self.cores, "periods": int(stat.get("nr_periods", 0))}
+        out.update(throttled_periods=int(stat.get("nr_throttled", 0)), throttled_s=round(throttled_s, 1))
+        if "usage_usec" in stat:
+            out["cpu_s"] = round(int(stat["usage_usec"]) / 1e6, 1)
+        return out
+
+    def remove(self) -> None:
+        """Delete the group (its processes stopped first); a group still busy is retried for 10 s."""
+        if self.path is None:
+            return
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    print(f"could not remove the cgroup {self.path}", file=sys.stderr)
+                    break
+                time.sleep(0.2)
+        self.path = None
+
+
+def run_arm(
+    arm: str,
+    duration: float,
+    workroot: Path,
+    index: int,
+    attacker_cpu: float = 0.0,
+    sybil_keys: int = SYBIL_KEYS,
+) -> dict[str, Any]:
     from echo_p2p.metrics import read_metrics
     from echo_p2p.net.run_record import read_file
 
     name = f"{index}-{arm}"
     workdir = workroot / name
-    key_dir = workroot / f"{name}-keys"
-    if arm in ("sybil", "ghost"):  # its keys are made on its own machine: here, before the run starts
+    key_dir = workroot / "keys"  # made once, before the first arm that uses them
+    if arm in ("sybil", "ghost") and not key_dir.exists():  # made on its own machine: here, before the run
         sys.path.insert(0, str(HERE))
         from attacker import make_keys
 
-        make_keys(key_dir, SYBIL_KEYS)
+        make_keys(key_dir, sybil_keys)
     local = subprocess.Popen(
         [sys.executable, "-m", "echo_p2p.local", "--duration", str(duration), "--workdir", str(workdir)],
         cwd=str(ROOT),
@@ -91,6 +174,8 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
     )
     attacker = None
     report = workroot / f"{name}-attacker.json"
+    limit = CpuLimit(attacker_cpu, f"echo-attacker-{os.getpid()}-{index}") if attacker_cpu > 0 else None
+    cpu_limit: dict[str, Any] = {"cores": None, "reason": "not asked for (--attacker-cpu 0)"}
     try:
         files = [workdir / "bootstrap.maddrs", workdir / "run-record.bin"]
         if not wait_for_files(files, local, 120):
@@ -107,11 +192,15 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
                 stdout=open(workroot / f"{name}-attacker.log", "wb"),
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=limit.join if limit is not None else None,
             )
         local.wait(timeout=duration + 180)
     finally:
         stop(local)
         stop(attacker)
+        if limit is not None:
+            cpu_limit = limit.figures()
+            limit.remove()
     summary = json.loads((workdir / "summary.json").read_text())
     seen = json.loads(report.read_text())["seen"] if report.exists() else {}
     banned = 0  # senders the trainers banned at the end: the attacker (poison) or an honest peer (a bug)
@@ -139,6 +228,7 @@ def run_arm(arm: str, duration: float, workroot: Path, index: int) -> dict[str, 
         "senders_banned": banned,
         "fetch_slow": fetch_slow,
         "attacker_saw": seen,
+        "attacker_cpu_limit": cpu_limit if arm != "baseline" else None,
     }
 
 
@@ -151,15 +241,30 @@ def main(argv: list[str] | None = None) -> None:
         help="in this order; a baseline first and last brackets the machine's drift (ratios use their mean)",
     )
     p.add_argument("--out", default=str(HERE / "results" / "attacks.json"))
+    p.add_argument(
+        "--attacker-cpu",
+        type=float,
+        default=0.25,
+        help="cores the attacker's processes get together, from a cgroup of their own (root; 0: no limit, "
+        "nice 19 only): what its messages cost the run, apart from what its processes take of these cores",
+    )
+    p.add_argument(
+        "--sybil-keys", type=int, default=SYBIL_KEYS, help="keys the sybil arm makes before its run"
+    )
+    p.add_argument(
+        "--workdir", default="", help="keep every arm's logs and metrics here (default: a temporary one)"
+    )
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         p.error(f"unknown arms {sorted(unknown)}")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="echo-attacks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="echo-attacks-") as scratch:
+        tmp = Path(args.workdir or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
         for index, arm in enumerate(arms):
-            rows.append(run_arm(arm, args.duration, Path(tmp), index))
+            rows.append(run_arm(arm, args.duration, tmp, index, args.attacker_cpu, args.sybil_keys))
             print(f"{arm}: {rows[-1]}", flush=True)
 
     def mean_rate(arm: str) -> float | None:
@@ -195,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "duration_s": args.duration,
+        "attacker_cpu": args.attacker_cpu,
+        "sybil_keys": args.sybil_keys,
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

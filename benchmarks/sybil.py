@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
 
 class SignedStore:
     """Runs in the writer's DHT process: stores ``record`` under ``key`` signed by ``private_key`` (a Sybil
-    identity), by pointing the node's signature validator at that key for this one store."""
+    identity). The node's signature validator is made to sign each record with the key whose public key the
+    record names (``_SignWithNamedKey``), so that many such stores may be in flight at once."""
 
     def __init__(self, key: str, private_key, record) -> None:
         self.key, self.private_key, self.record = key, private_key, record
@@ -138,11 +139,47 @@ class SignedStore:
         validator = next(
             v for v in node.protocol.record_validator._validators if isinstance(v, RSASignatureValidator)
         )
+        if not isinstance(validator, _SignWithNamedKey):
+            validator.__class__ = _sign_with_named_key_class()
+            validator.sybil_keys = {}
         marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(
             b"_key_", self.private_key.get_public_key().to_bytes()
         )
-        validator._private_key, validator._local_public_key = self.private_key, marker
+        validator.sybil_keys[marker] = self.private_key
         return bool(await node.store(self.key, self.record, get_dht_time() + 600, subkey=marker))
+
+
+class _SignWithNamedKey:
+    """Marker base of the validator class ``_sign_with_named_key_class`` makes (hivemind imported lazily)."""
+
+
+def _sign_with_named_key_class():
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    global _SIGNER_CLASS
+    if _SIGNER_CLASS is None:
+
+        class SignWithNamedKey(RSASignatureValidator, _SignWithNamedKey):
+            """Signs a record with the Sybil key its key or subkey names, else as the node's own validator."""
+
+            sybil_keys: dict
+
+            def sign_value(self, record):
+                named = self._PUBLIC_KEY_RE.findall(record.key) + self._PUBLIC_KEY_RE.findall(
+                    record.subkey or b""
+                )
+                for public_key in named:
+                    private_key = self.sybil_keys.get(self.PUBLIC_KEY_FORMAT.replace(b"_key_", public_key))
+                    if private_key is not None:
+                        signature = private_key.sign(self._serialize_record(record))
+                        return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
+                return super().sign_value(record)
+
+        _SIGNER_CLASS = SignWithNamedKey
+    return _SIGNER_CLASS
+
+
+_SIGNER_CLASS = None
 
 
 if __name__ == "__main__":
