@@ -356,7 +356,7 @@ class BasePeer:
         heartbeat keeps (the publisher election, trust, the status line) was that much late, and which chore
         took the time (each DHT call has a deadline of ``request_timeout``)."""
         total = sum(took.values())
-        if total <= self.config.record_ttl or not took:
+        if total <= self.config.record_ttl:
             return
         self.slow_heartbeats += 1
         slowest = max(took, key=took.__getitem__)
