@@ -91,9 +91,10 @@ class P2PLoop:
                 addrs.append(daemon_maddr(text))
             except Exception:  # a bad address in a record: skip it
                 continue
+        if not addrs:  # nothing to dial (yet): p2pd may know the peer; a later call with addresses dials
+            return
         try:
-            if addrs:
-                await asyncio.wait_for(self.p2p._client.connect(peer_id_of(peer_id), addrs), timeout)
+            await asyncio.wait_for(self.p2p._client.connect(peer_id_of(peer_id), addrs), timeout)
             self._dialed.add(peer_id)
         except Exception as exc:
             if strict:

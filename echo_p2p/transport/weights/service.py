@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, TypeVar  # noqa: UP035 (hivemind's ServicerBase reads typing.AsyncIterator)
@@ -42,6 +42,10 @@ T = TypeVar("T")
 MAX_MESSAGE = 4 * 1024 * 1024
 #: Bytes a ChunkPart adds around its data (field tags, varints): frames may exceed part_size by this much.
 PART_OVERHEAD = 256
+#: Peers one ``ChunkPart.holders`` names at most (each chunk remembers this many recent recipients).
+MAX_HOLDERS = 8
+#: Bytes of one PeerID in ``ChunkPart.holders`` at most (a multihash of a key: 34 to 39 bytes in practice).
+MAX_HOLDER_BYTES = 64
 
 
 class ServiceLimits(BaseModel):
@@ -151,6 +155,7 @@ class ServiceStats:
     chunks_served: int = 0
     streams: int = 0
     manifests_served: int = 0
+    holders_named: int = 0  # pick streams that ended naming who got the chunks skipped as fresh
     bytes_by_peer: Counter = field(default_factory=Counter)
     refused: Counter = field(default_factory=Counter)  # reason -> count
 
@@ -160,6 +165,7 @@ class ServiceStats:
             "chunks_served": self.chunks_served,
             "streams": self.streams,
             "manifests_served": self.manifests_served,
+            "holders_named": self.holders_named,
             "refused": dict(self.refused),
         }
 
@@ -195,6 +201,8 @@ class WeightsServicer(LingeringServicer):
         self._streams_total = 0
         # digest -> (times each chunk was handed out, monotonic time it last was)
         self._served_count: dict[str, tuple[list[int], list[float]]] = {}
+        # digest -> chunk -> its last MAX_HOLDERS recipients in pick mode (PeerID bytes, when), newest first
+        self._handed_to: dict[str, dict[int, deque[tuple[bytes, float]]]] = {}
         self._next_send = 0.0  # upload rate limit: monotonic time when the next byte may leave
 
     def _refuse(self, reason: str) -> str:
@@ -245,6 +253,7 @@ class WeightsServicer(LingeringServicer):
             yield weights_pb2.ChunkPart(error=self._refuse(error))
             return
         peer = context.remote_id.to_base58() if context.remote_id is not None else "?"
+        peer_bytes = context.remote_id.to_bytes() if context.remote_id is not None else b""
         limits = self.limits
         if (
             self._streams_total >= limits.max_streams_total
@@ -258,10 +267,12 @@ class WeightsServicer(LingeringServicer):
         unfinished: tuple[int, float] | None = None  # a picked chunk not fully sent yet, its previous time
         try:
             sent: set[int] = set()
+            ran_out = False  # pick mode: no candidate left to send (held, not sent, not fresh)
             for position in range(request.pick or len(indices)):
                 if request.pick:
                     unfinished = self._pick(entry, indices, sent, request.fresh_for)
                     if unfinished is None:
+                        ran_out = True
                         break
                     index = unfinished[0]
                 else:
@@ -280,8 +291,16 @@ class WeightsServicer(LingeringServicer):
                     self.stats.bytes_by_peer[peer] += len(piece)
                 self.stats.chunks_served += 1
                 if request.pick and entry.digest in self._served_count:  # the window runs from the last byte
-                    self._served_count[entry.digest][1][index] = time.monotonic()
+                    now = time.monotonic()
+                    self._served_count[entry.digest][1][index] = now
+                    recipients = self._handed_to[entry.digest].setdefault(index, deque(maxlen=MAX_HOLDERS))
+                    recipients.appendleft((peer_bytes, now))
                 unfinished = None
+            if ran_out and request.want_holders and request.fresh_for > 0:
+                holders = self._recent_holders(entry, indices, sent, request.fresh_for, peer_bytes)
+                if holders:  # the receiver asks them (rpc_have) instead of waiting for their records
+                    self.stats.holders_named += 1
+                    yield weights_pb2.ChunkPart(holders=holders)
         finally:
             if unfinished is not None and entry.digest in self._served_count:  # nobody got it: not handed out
                 counts, last = self._served_count[entry.digest]
@@ -328,8 +347,11 @@ class WeightsServicer(LingeringServicer):
         if state is None:
             n = entry.manifest.num_chunks
             state = self._served_count[entry.digest] = ([0] * n, [float("-inf")] * n)
+            self._handed_to[entry.digest] = {}
             while len(self._served_count) > 64:  # forget the oldest manifests' counts
-                del self._served_count[next(iter(self._served_count))]
+                oldest = next(iter(self._served_count))
+                del self._served_count[oldest]
+                self._handed_to.pop(oldest, None)
         counts, last = state
         now = time.monotonic()
         held = [i for i in indices if i not in sent and entry.store.has(i)]
@@ -343,6 +365,29 @@ class WeightsServicer(LingeringServicer):
         counts[chosen] += 1
         last[chosen] = now
         return chosen, previous
+
+    def _recent_holders(
+        self, entry: ServedVersion, indices: list[int], sent: set[int], fresh_for: float, requester: bytes
+    ) -> list[bytes]:
+        """The peers (newest first, at most MAX_HOLDERS) that were handed, within ``fresh_for`` s, a
+        candidate of ``indices`` this stream skipped as fresh; never the requester itself."""
+        handed = self._handed_to.get(entry.digest, {})
+        now = time.monotonic()
+        recent = sorted(
+            (
+                (at, holder)
+                for i in indices
+                if i not in sent
+                for holder, at in handed.get(i, ())
+                if now - at < fresh_for and holder != requester
+            ),
+            reverse=True,
+        )
+        holders: list[bytes] = []
+        for _, holder in recent:
+            if holder not in holders:
+                holders.append(holder)
+        return holders[:MAX_HOLDERS]
 
     async def _throttle(self, nbytes: int) -> None:
         rate = self.limits.upload_rate_limit

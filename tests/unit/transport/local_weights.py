@@ -74,6 +74,28 @@ def publish() -> ServedVersion:
     return ServedVersion.of(version.manifest, version.store)
 
 
+async def take_everything(
+    publisher: WeightsServicer, served: ServedVersion, fresh_for: float = 0.0
+) -> ServedVersion:
+    """Another receiver (``OTHER``) takes every chunk of ``served`` from ``publisher`` in pick mode: all of
+    them are fresh there now, and it knows who got them. Returns that receiver's copy."""
+    m = served.manifest
+    request = weights_pb2.ChunksRequest(
+        stream_id=m.stream_id,
+        version=m.version,
+        digest=bytes.fromhex(served.digest),
+        indices=list(range(m.num_chunks)),
+        pick=m.num_chunks,
+        fresh_for=fresh_for,
+    )
+    context = P2PContext(handle_name="test", local_id=ME, remote_id=OTHER)
+    store = ChunkStore(m)
+    async for part in publisher.rpc_get_chunks(request, context):
+        store.put(part.index, part.data)  # one part per chunk (chunks are far below part_size)
+    assert store.is_complete()
+    return ServedVersion.of(m, store, raw=served.raw)
+
+
 def servicer_of(*entries: ServedVersion) -> WeightsServicer:
     library = WeightLibrary()
     for entry in entries:

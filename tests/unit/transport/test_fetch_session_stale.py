@@ -11,16 +11,14 @@ import asyncio
 import time
 
 import pytest
-from hivemind.p2p import P2PContext
 
 from echo_p2p.net.directory import Entry
 from echo_p2p.net.records import ProviderRecord
-from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.weights.fetch.config import FetchError
 from echo_p2p.transport.weights.fetch.providers import Source
 from echo_p2p.transport.weights.fetch.session import FetchSession
 from echo_p2p.transport.weights.service import ServedVersion, WeightsServicer
-from tests.unit.transport.local_weights import ME, OTHER, PUB, publish, servicer_of, session_for
+from tests.unit.transport.local_weights import PUB, publish, servicer_of, session_for, take_everything
 
 
 def setup(verifier, **config) -> tuple[FetchSession, WeightsServicer, ServedVersion]:
@@ -29,25 +27,10 @@ def setup(verifier, **config) -> tuple[FetchSession, WeightsServicer, ServedVers
     return session_for(served, {PUB: publisher}, verifier, **config), publisher, served
 
 
-async def hand_out_everything(publisher: WeightsServicer, served: ServedVersion) -> None:
-    """Another receiver takes every chunk from the publisher (pick mode): all of them are 'fresh' now."""
-    m = served.manifest
-    request = weights_pb2.ChunksRequest(
-        stream_id=m.stream_id,
-        version=m.version,
-        digest=bytes.fromhex(served.digest),
-        indices=list(range(m.num_chunks)),
-        pick=m.num_chunks,
-    )
-    context = P2PContext(handle_name="test", local_id=ME, remote_id=OTHER)
-    parts = [p async for p in publisher.rpc_get_chunks(request, context)]
-    assert {p.index for p in parts} == set(range(m.num_chunks))
-
-
 async def test_a_version_the_publisher_dropped_fails_at_once_instead_of_hanging(verifier):
     # defaults: stall 3 s, no progress 60 s, fetch 600 s; the publisher stays alive and answers not_held
     session, publisher, served = setup(verifier)
-    await hand_out_everything(publisher, served)  # the other receiver skips/moves on: nobody serves them
+    await take_everything(publisher, served)  # the other receiver skips/moves on: nobody serves them
     publisher.library.remove(served.digest)  # a newer keyframe replaced the chain after our manifests came
     t0 = time.monotonic()
     with pytest.raises(FetchError) as info:
@@ -60,7 +43,7 @@ async def test_a_version_the_publisher_dropped_fails_at_once_instead_of_hanging(
 async def test_chunks_handed_to_a_receiver_nobody_can_ask_are_fetched_without_the_window(verifier):
     # stall_timeout far away: only dropping the freshness window can make the publisher send them
     session, publisher, served = setup(verifier, stall_timeout=30.0)
-    await hand_out_everything(publisher, served)
+    await take_everything(publisher, served)
     t0 = time.monotonic()
     await asyncio.wait_for(session.run(), 5)
     assert session.entries[served.digest].store.is_complete()

@@ -124,6 +124,30 @@ async def test_pick_skips_chunks_handed_out_recently_then_ends_the_stream(served
     assert len(await collect(servicer, request(served, [0, 1, 2, 3], pick=2))) == 2  # no window: served again
 
 
+CAROL = PeerID.from_base58("QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ")
+
+
+async def test_a_pick_that_skips_fresh_chunks_names_who_got_them_when_asked(served):
+    servicer = servicer_with(served)
+    assert len(await collect(servicer, request(served, [0, 1], pick=2, fresh_for=60), ALICE)) == 2
+    assert len(await collect(servicer, request(served, [2], pick=1, fresh_for=60), BOB)) == 1
+    fresh = request(served, [0, 1, 2], pick=3, fresh_for=60)
+    assert await collect(servicer, fresh, CAROL) == []  # a receiver that did not ask (an older one): no part
+    fresh.want_holders = True
+    (part,) = await collect(servicer, fresh, CAROL)  # the holders part alone, newest recipient first
+    assert [PeerID(h) for h in part.holders] == [BOB, ALICE]
+    assert not part.data and not part.missing and not part.error
+    assert servicer.stats.holders_named == 1
+    (part,) = await collect(servicer, fresh, ALICE)  # never the requester itself
+    assert [PeerID(h) for h in part.holders] == [BOB]
+    only_bob = request(served, [2], pick=1, fresh_for=60, want_holders=True)
+    assert await collect(servicer, only_bob, BOB) == []  # it got them itself: nobody else to name
+    (part,) = await collect(servicer, request(served, [0], pick=1, fresh_for=60, want_holders=True), BOB)
+    assert [PeerID(h) for h in part.holders] == [ALICE]  # only who got the candidates asked about
+    old = await collect(servicer, request(served, [0, 1, 2], pick=3, fresh_for=1e-6, want_holders=True), BOB)
+    assert sorted(p.index for p in old if not p.holders) == [0, 1, 2] and not any(p.holders for p in old)
+
+
 async def test_a_partial_store_serves_what_it_has_and_says_what_is_missing(served):
     partial = ChunkStore(served.manifest)
     partial.put(1, served.store.get(1))

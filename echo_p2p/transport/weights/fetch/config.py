@@ -209,6 +209,9 @@ class FetchStats:
     # could dial it; not_serving); a peer that others never find shows it here
     announcements: Counter = field(default_factory=Counter)
     provider_reads: int = 0  # reads of the providers of a version being fetched
+    # providers the publisher named as holding chunks it skipped as fresh (``ChunkPart.holders``) that the
+    # fetch did not list for that manifest yet: asked at once instead of after their records are read
+    named_providers: int = 0
     last_providers_seen: int = 0  # other peers the last fetch's reads listed as holding or fetching it
 
     def as_dict(self) -> dict[str, Any]:
@@ -229,6 +232,7 @@ class FetchStats:
             "banned": dict(self.banned),
             "announcements": dict(self.announcements),
             "provider_reads": self.provider_reads,
+            "named_providers": self.named_providers,
             "providers_seen": self.last_providers_seen,
         }
 

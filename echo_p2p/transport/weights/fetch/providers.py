@@ -33,10 +33,13 @@ MAX_BACKOFF = 5.0
 class Source:
     """One provider during one fetch: what it holds, what is in flight to it, how it behaved."""
 
-    def __init__(self, peer_id: str, maddrs: Iterable[str], publisher: bool = False):
+    def __init__(self, peer_id: str, maddrs: Iterable[str], publisher: bool = False, named: bool = False):
         self.peer_id = peer_id
         self.maddrs = list(maddrs)
         self.publisher = publisher
+        # known from the publisher naming it (``ChunkPart.holders``), not from a record of its own: failing to
+        # reach it (perhaps without addresses) says nothing against it
+        self.named = named
         self.complete: set[str] = set()
         self.partial: set[str] = set()
         self.have: dict[str, set[int]] = {}
@@ -59,6 +62,7 @@ class Source:
         """For ``WeightFetcher.fetch_state`` (status lines and debugging)."""
         return {
             "publisher": self.publisher,
+            "named": self.named,
             "dropped": self.dropped,
             "in_flight": self.inflight,
             "failures": self.failures,
@@ -149,7 +153,8 @@ class Source:
 
 
 class ProviderBook:
-    """Bans and broken promises of providers, kept across fetches; bounded to MAX_TRACKED_PROVIDERS."""
+    """Bans, broken promises and last known addresses of providers, kept across fetches; bounded to
+    MAX_TRACKED_PROVIDERS."""
 
     def __init__(self, ban_seconds: float, max_missing: int, missing_window: float, clock=time.monotonic):
         self.ban_seconds = ban_seconds
@@ -159,6 +164,7 @@ class ProviderBook:
         self._banned_until: dict[str, float] = {}
         self._missing: dict[str, deque[float]] = {}  # peer -> times of its last "missing" answers
         self._slow: dict[str, deque[float]] = {}  # peer -> times it was last dropped for slowness
+        self._addresses: dict[str, list[str]] = {}  # peer -> the maddrs of its newest ProviderRecord read
 
     def banned(self, peer_id: str, now: float | None = None) -> bool:
         until = self._banned_until.get(peer_id)
@@ -173,6 +179,15 @@ class ProviderBook:
         self._banned_until[peer_id] = until  # re-inserted last: the oldest are forgotten first
         self._missing.pop(peer_id, None)
         _bound(self._banned_until, lambda until: until <= now)
+
+    def note_addresses(self, peer_id: str, maddrs: Iterable[str]) -> None:
+        """Remember the addresses a provider's record gave (for when it is named without a record)."""
+        self._addresses.pop(peer_id, None)
+        self._addresses[peer_id] = list(maddrs)  # inserted last: the oldest are forgotten first
+        _bound(self._addresses, lambda maddrs: False)
+
+    def addresses(self, peer_id: str) -> list[str]:
+        return list(self._addresses.get(peer_id, ()))
 
     def missing(self, peer_id: str, count: int, now: float | None = None) -> bool:
         """Record ``count`` "missing" answers for chunks ``peer_id`` advertised; True when it has now given

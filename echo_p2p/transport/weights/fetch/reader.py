@@ -17,11 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from hivemind.p2p import PeerID
+
 from echo_p2p.proto import weights_pb2
 from echo_p2p.transport.weights.fetch.config import chunk_allowance
 from echo_p2p.transport.weights.fetch.providers import Source
 from echo_p2p.transport.weights.fetch.scheduler import ChunkAsk
-from echo_p2p.transport.weights.service import ServedVersion
+from echo_p2p.transport.weights.service import MAX_HOLDER_BYTES, MAX_HOLDERS, ServedVersion
 from echo_p2p.transport.weights.stream import RemoteError, StreamViolation
 from echo_p2p.weights.manifest import ChunkDigestError, ChunkError
 
@@ -49,6 +51,7 @@ class StreamState:
     done: set[int] = field(default_factory=set)  # indices fully received (or reported missing)
     missing: set[int] = field(default_factory=set)  # indices the provider answered "missing" for
     broken: int = 0  # of those, chunks it had advertised (a broken promise)
+    holders: list[str] = field(default_factory=list)  # peers it named as having just got skipped chunks
     verifying: list[asyncio.Future] = field(default_factory=list)
 
 
@@ -130,6 +133,7 @@ async def read_stream(
         indices=ask.indices,
         pick=ask.pick,
         fresh_for=ask.fresh_for,
+        want_holders=ask.fresh_for > 0,
     )
     state = StreamState(
         expected=set(ask.indices),
@@ -203,6 +207,11 @@ async def _read(
             break
         if part.error:
             raise RemoteError(part.error)
+        if state.holders:
+            raise StreamViolation("unexpected_chunk", "a part after the holders part")
+        if part.holders:
+            state.holders = _holders(part, ask, current)
+            continue
         i = part.index
         if i not in state.expected or i in state.done:
             raise StreamViolation("unexpected_chunk", f"chunk {i} was not asked for")
@@ -248,6 +257,19 @@ async def _read(
         raise StreamBroken("truncated", f"stream ended inside chunk {current}")
     if not state.pick and state.expected - state.done:
         raise StreamBroken("stream_ended", f"{len(state.expected - state.done)} chunks not sent")
+
+
+def _holders(part: weights_pb2.ChunkPart, ask: ChunkAsk, current: int | None) -> list[str]:
+    """The peers a ``holders`` part names (base58), checked: asked for (a pick with ``fresh_for``), between
+    chunks, nothing else in the part, at most MAX_HOLDERS PeerIDs of 1..MAX_HOLDER_BYTES bytes."""
+    if not (ask.pick and ask.fresh_for > 0):
+        raise StreamViolation("unexpected_holders", "holders named without being asked")
+    if current is not None or part.data or part.missing or part.index or part.offset or part.chunk_size:
+        raise StreamViolation("unexpected_holders", "a holders part that carries a chunk too")
+    raw = list(part.holders)
+    if len(raw) > MAX_HOLDERS or any(not 0 < len(h) <= MAX_HOLDER_BYTES for h in raw):
+        raise StreamViolation("unexpected_holders", f"{len(raw)} holders, or one of a bad size")
+    return [PeerID(h).to_base58() for h in raw]
 
 
 async def _store(

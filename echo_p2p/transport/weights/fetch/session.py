@@ -217,12 +217,15 @@ class FetchSession:
                 continue
             if self.book.banned(p.peer_id, now):
                 continue
+            self.book.note_addresses(p.peer_id, p.maddrs)
             complete, partial = set(p.manifests) & wanted, set(p.partial) & wanted
             if not complete and not partial:
                 continue
             source = sources.get(p.peer_id)
             if source is None:
                 source = sources[p.peer_id] = Source(p.peer_id, p.maddrs)
+            elif not source.maddrs:  # named by the publisher before its record was read
+                source.maddrs = list(p.maddrs)
             source.complete |= complete
             source.partial |= partial - source.complete
         # the publisher had nothing fresh for a digest at least announce_grace before this read: if no other
@@ -292,11 +295,14 @@ class FetchSession:
         if failure is None or failure.kind in ("remote", "violation") or outcome.received:
             s.answered()  # it is there (a refusal or bad data are judged below, not as silence)
         if failure is None:
+            if outcome.state.holders:
+                self._take_named(digest, outcome.state.holders)
             if outcome.ask.pick and not outcome.state.done:  # all handed out just now: ask who got them
                 s.busy_until = time.monotonic() + self.cfg.have_period
                 if outcome.ask.fresh_for and digest not in self.empty_picks:
                     self.empty_picks[digest] = time.monotonic()
-                    self.refresh_now = True  # learn now who else holds them (else: no window for it)
+                    # learn now who else holds them (else: no window for it), unless the publisher said
+                    self.refresh_now = not outcome.state.holders
             if outcome.received:  # bytes/s of this stream, smoothed
                 s.note_rate(outcome.received / max(outcome.seconds, 1e-3))
             return
@@ -321,6 +327,30 @@ class FetchSession:
             self._drop_slow(s)
         else:  # timeout, error
             self._fail(s, failure.reason, failure.error)
+
+    def _take_named(self, digest: str, holders: list[str]) -> None:
+        """The publisher named the peers it just handed chunks of ``digest`` to (``ChunkPart.holders``): each
+        is listed as a partial provider of it and its chunk map polled now, so that the chunks come from it
+        once it holds them (``have_period`` later at most) rather than after its ``ProviderRecord`` is stored
+        (at most once a second) and read. A named peer is dialled at the addresses of the last record of it
+        this fetcher read; one never read is skipped (its record will say where it is: a dial without
+        addresses fails behind NAT); failing to reach it only drops it from this fetch."""
+        now = time.monotonic()
+        for peer_id in holders:
+            if peer_id in (self.endpoint.peer_id, self.record.peer_id) or self.book.banned(peer_id, now):
+                continue
+            source = self.sched.sources.get(peer_id)
+            if source is None:
+                maddrs = self.book.addresses(peer_id)
+                if not maddrs:  # never read a record of it: where to dial it is unknown (its record will say)
+                    continue
+                source = self.sched.sources[peer_id] = Source(peer_id, maddrs, named=True)
+            if source.dropped or source.lists(digest):
+                continue
+            source.partial.add(digest)
+            source.next_have = now
+            self.stats.named_providers += 1
+        self.wake.set()
 
     def _settle_missing(self, s: Source, outcome: StreamOutcome) -> None:
         """Count the "missing" answers of one stream: a provider that gave ``max_missing_answers`` for
@@ -348,7 +378,7 @@ class FetchSession:
         if s.failures >= self.cfg.max_provider_failures and not s.dropped:
             s.dropped = True
             self.endpoint.forget(s.peer_id)
-            if s.rate is None:  # nothing ever came from it: a record at an address where nobody serves
+            if s.rate is None and not s.named:  # nothing ever came: a record at an address nobody serves at
                 self.book.ban(s.peer_id, seconds=self.cfg.unreachable_seconds)
                 self.stats.failures["unreachable"] += 1
             logger.info(
