@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -69,11 +70,24 @@ class P2PLoop:
             raise RuntimeError("P2PLoop is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` in the loop and return its result; ``TimeoutError`` (and cancellation) after ``timeout``."""
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float, stop: threading.Event | None = None) -> T:
+        """Run ``coro`` in the loop and return its result; ``TimeoutError`` (and cancellation) after ``timeout``.
+        With ``stop``: cancelled within 0.1 s of ``stop`` being set (``concurrent.futures.CancelledError``),
+        so that a peer asked to stop does not first wait out a long call."""
         future = self.submit(_with_timeout(coro, timeout))
+        end = time.monotonic() + timeout + 5.0  # the inner timeout fires first; this is the safety net
         try:
-            return future.result(timeout + 5.0)  # the inner timeout fires first; this is the safety net
+            while True:
+                try:
+                    return future.result(0.1 if stop is not None else timeout + 5.0)
+                except concurrent.futures.TimeoutError:
+                    if future.done():  # the coroutine's own timeout, not the wait's
+                        raise
+                    if stop is not None and stop.is_set():
+                        future.cancel()
+                        raise concurrent.futures.CancelledError("stop requested") from None
+                    if time.monotonic() >= end:
+                        raise
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"coroutine did not finish within {timeout:.1f} s") from None

@@ -77,7 +77,9 @@ def build_intake(
         from echo_p2p.transport.rollouts.pull import SampleClient
 
         guard = SenderGuard(section.reputation, peer_id, None, trust, section.sampling_check)
-        client = SampleClient(loop, directory, section.sample_client, namespace, is_banned=guard.is_banned)
+        client = SampleClient(
+            loop, directory, section.sample_client, namespace, is_banned=guard.is_banned, stop=stop_event
+        )
         return IntakeParts(SyncIntake(client, validator, task, config, stop_event, prefix), guard)
 
     from echo_p2p.rollout import RolloutGroup

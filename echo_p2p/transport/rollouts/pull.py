@@ -17,10 +17,12 @@ Must not import torch.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
 import random
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -85,6 +87,8 @@ class SampleClient:
     :param accept: optional ``group -> bool`` run on each returned group (e.g. the trainer's validator);
         a group it refuses counts as not delivered and its prompt is asked again elsewhere
     :param is_banned: optional ``peer id -> bool``: banned peers are not asked (the trainer's ``SenderGuard``)
+    :param stop: optional event (the trainer's stop): once set, ``collect`` returns what came so far within
+        0.1 s instead of waiting out its deadline (``sync_timeout``, 60 s) with the inference peers gone
 
     Each group a peer returns is attributed to it (``sampler_peer_id``; a group naming another sampler is
     refused, ``not_the_sampler``), so the trainer's log-prob checks judge the peer that sampled it.
@@ -98,8 +102,10 @@ class SampleClient:
         namespace: str | None = None,
         accept: Callable[[RolloutGroup], bool] | None = None,
         is_banned: Callable[[str], bool] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.loop = loop
+        self.stop = stop
         self.directory = directory
         self.config = config or SampleClientConfig()
         self.namespace = namespace
@@ -129,12 +135,17 @@ class SampleClient:
         failed: set[str] = set()  # peers that failed during this call
         first = True
         while +needed and (remaining := deadline - time.monotonic()) > 0:
+            if self.stop is not None and self.stop.is_set():
+                break  # the trainer is stopping: what came so far
             if not first:
                 self.counters["reasked"] += sum(needed.values())
             first = False
             peers = self._candidates(failed)
             if not peers:
-                time.sleep(min(self.config.idle_wait, remaining))
+                if self.stop is not None:
+                    self.stop.wait(min(self.config.idle_wait, remaining))
+                else:
+                    time.sleep(min(self.config.idle_wait, remaining))
                 failed.clear()  # nobody else: ask the failed ones again rather than nobody
                 continue
             shares = self._shares(list(needed.elements()), peers)
@@ -144,7 +155,10 @@ class SampleClient:
                 results = self.loop.run(
                     self._round(shares, by_id, task, n, version, max_new_tokens, request_timeout),
                     timeout=request_timeout + 2.0,
+                    stop=self.stop,
                 )
+            except concurrent.futures.CancelledError:  # the trainer is stopping: what came so far
+                break
             except Exception as exc:  # the loop itself failed (shut down?): give up with what we have
                 logger.warning("sample round failed: %s", exc)
                 break
