@@ -5,7 +5,7 @@ inference peers (4), each on a host of its own; ``--nat`` of the inference peers
 NAT router (masquerade, no port forward, ``--uplink``/``--downlink`` Mbit/s), the others public. A probe
 process on one more public host reads the run's directory every ``--probe-period`` s as ``swarm status
 --json`` does (with a monitor ``Tracker``, so the ``version_stalled`` alert fires after ``--stall-after`` s)
-and writes one JSON line per read. Tiny built-in model, ``count`` task, one torch thread per peer.
+and writes one JSON line per read. Tiny built-in model, ``--task`` (``count``), one torch thread per peer.
 
 Once the run's version moves, after ``--warmup`` s, a fault roughly every ``--fault-every`` s (x0.7-1.3,
 one at a time, none starting in the last ``--down-max`` + ``--settle`` s), kind and target drawn from shuffled decks (every
@@ -237,7 +237,7 @@ class Soak:
             issued_at=now,
             expires_at=now + args.minutes * 60 + 4 * 3600,
             model="tiny",
-            task="count",
+            task=args.task,
             mode="async",
         )
         record_path = self.workdir / "run.record"
@@ -268,6 +268,7 @@ class Soak:
         (self.workdir / "join-address").write_text(self.join + "\n")
         common = ["--config", str(config), "--metrics-dir", str(self.metrics), "--threads", "1"]
         common += ["--heartbeat-period", str(args.heartbeat), "--host-maddrs", "/ip4/0.0.0.0/tcp/0"]
+        common += ["--task", args.task, *(a for o in args.task_option for a in ("--task-option", o))]
         for i, ident in enumerate(trainer_ids):
             ckpt = self.workdir / "checkpoints" / f"trainer{i}"
             self._add(
@@ -1074,6 +1075,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="no fault starts later than down-max + this before the end",
     )
     p.add_argument("--trainers", type=int, default=2)
+    p.add_argument(
+        "--task",
+        default="count",
+        help="task of the run (count is learned in ~9 minutes: after that most groups are refused as "
+        "duplicates and the version moves only now and then; arithmetic level 2 is not learned in an hour)",
+    )
+    p.add_argument(
+        "--task-option", action="append", default=[], help="an option of the task, KEY=VALUE (repeatable)"
+    )
     p.add_argument("--inference", type=int, default=4)
     p.add_argument("--nat", type=int, default=2, help="inference peers at home behind NAT")
     p.add_argument("--uplink", type=float, default=20.0, help="home uplink (Mbit/s)")
