@@ -55,7 +55,7 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     config = tmp_path / "peer.yaml"
     config.write_text("metrics_period: 2\n")  # the wait below reads the trainer's metrics lines
     local = subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.local", "--duration", "400", "--status-period", "30"]
+        [sys.executable, "-m", "echo_p2p.local", "--duration", "400", "--status-period", "30", "--no-export"]
         + ["--workdir", str(workdir), f"--peer-args=--config {config}"],
         stdout=open(tmp_path / "local.log", "wb"),
         stderr=subprocess.STDOUT,

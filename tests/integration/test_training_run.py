@@ -43,6 +43,7 @@ def test_tiny_model_learns_the_count_task_in_the_local_swarm_in_sync_mode(tmp_pa
             "5",
             "--workdir",
             str(workdir),
+            "--no-export",  # the final policy's export is test_local_run's and test_export's
             *sampling,
         ],
         capture_output=True,
@@ -213,7 +214,7 @@ def test_a_trainer_joining_a_running_run_catches_up_and_exactly_one_publishes(tm
     config = tmp_path / "peer.yaml"
     config.write_text("metrics_period: 2\n")  # the wait below reads the inference peer's metrics lines
     proc = subprocess.Popen(
-        [sys.executable, "-m", "echo_p2p.local", "--trainers", "2", "--trainer-delay", "10"]
+        [sys.executable, "-m", "echo_p2p.local", "--trainers", "2", "--trainer-delay", "10", "--no-export"]
         + ["--inference", "1", "--duration", "150", "--status-period", "15", "--workdir", str(workdir)]
         + [f"--peer-args=--config {config}"],
         stdout=open(log, "wb"),

@@ -42,7 +42,8 @@ async def test_a_version_the_publisher_dropped_fails_at_once_instead_of_hanging(
 
 async def test_chunks_handed_to_a_receiver_nobody_can_ask_are_fetched_without_the_window(verifier):
     # stall_timeout far away: only dropping the freshness window can make the publisher send them
-    session, publisher, served = setup(verifier, stall_timeout=30.0)
+    # provider reads come faster than the defaults (1 s, 1.5 s after the empty pick); the rules are the same
+    session, publisher, served = setup(verifier, stall_timeout=30.0, provider_refresh=0.2, announce_grace=0.3)
     await take_everything(publisher, served)
     t0 = time.monotonic()
     await asyncio.wait_for(session.run(), 5)

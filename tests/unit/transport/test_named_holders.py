@@ -57,7 +57,10 @@ async def test_a_named_receiver_that_cannot_be_reached_is_dropped_not_banned(ver
     served = publish()
     publisher = servicer_of(served)
     await take_everything(publisher, served, fresh_for=30.0)
-    session = session_for(served, {PUB: publisher}, verifier, stall_timeout=30.0)  # the helper is unreachable
+    # the helper is unreachable; provider reads come faster than the defaults (1 s, 1.5 s), the rules alike
+    session = session_for(
+        served, {PUB: publisher}, verifier, stall_timeout=30.0, provider_refresh=0.2, announce_grace=0.3
+    )
     session.book.note_addresses(HELPER, [ADDRESS])
     await asyncio.wait_for(session.run(), 5)
     assert session.entries[served.digest].store.is_complete()  # from the publisher, without the window
@@ -70,7 +73,10 @@ async def test_a_named_receiver_whose_address_was_never_read_is_left_to_its_reco
     served = publish()
     publisher = servicer_of(served)
     helper = servicer_of(await take_everything(publisher, served, fresh_for=30.0))
-    session = session_for(served, {PUB: publisher, HELPER: helper}, verifier, stall_timeout=30.0)
+    session = session_for(
+        served, {PUB: publisher, HELPER: helper}, verifier, stall_timeout=30.0, provider_refresh=0.2,
+        announce_grace=0.3,
+    )  # fmt: skip
     await asyncio.wait_for(session.run(), 5)  # behind NAT, a dial without addresses would only fail
     assert HELPER not in session.sched.sources and session.stats.named_providers == 0
     assert session.sched.no_window == {served.digest} and not session.stats.failures
