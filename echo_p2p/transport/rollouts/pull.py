@@ -105,7 +105,7 @@ class SampleClient:
         stop: threading.Event | None = None,
     ) -> None:
         self.loop = loop
-        self.stop = stop
+        self.stop = stop or threading.Event()  # never set: collect runs to its deadline
         self.directory = directory
         self.config = config or SampleClientConfig()
         self.namespace = namespace
@@ -135,17 +135,14 @@ class SampleClient:
         failed: set[str] = set()  # peers that failed during this call
         first = True
         while +needed and (remaining := deadline - time.monotonic()) > 0:
-            if self.stop is not None and self.stop.is_set():
+            if self.stop.is_set():
                 break  # the trainer is stopping: what came so far
             if not first:
                 self.counters["reasked"] += sum(needed.values())
             first = False
             peers = self._candidates(failed)
             if not peers:
-                if self.stop is not None:
-                    self.stop.wait(min(self.config.idle_wait, remaining))
-                else:
-                    time.sleep(min(self.config.idle_wait, remaining))
+                self.stop.wait(min(self.config.idle_wait, remaining))
                 failed.clear()  # nobody else: ask the failed ones again rather than nobody
                 continue
             shares = self._shares(list(needed.elements()), peers)

@@ -199,10 +199,11 @@ class WeightsServicer(LingeringServicer):
         self.stats = ServiceStats()
         self._streams_by_peer: Counter = Counter()
         self._streams_total = 0
-        # digest -> (times each chunk was handed out, monotonic time it last was)
-        self._served_count: dict[str, tuple[list[int], list[float]]] = {}
-        # digest -> chunk -> its last MAX_HOLDERS recipients in pick mode (PeerID bytes, when), newest first
-        self._handed_to: dict[str, dict[int, deque[tuple[bytes, float]]]] = {}
+        # digest -> (times each chunk was handed out, monotonic time it last was, its last MAX_HOLDERS
+        # recipients: chunk -> (PeerID bytes, when), newest first); all in pick mode
+        self._served_count: dict[
+            str, tuple[list[int], list[float], dict[int, deque[tuple[bytes, float]]]]
+        ] = {}
         self._next_send = 0.0  # upload rate limit: monotonic time when the next byte may leave
 
     def _refuse(self, reason: str) -> str:
@@ -291,10 +292,10 @@ class WeightsServicer(LingeringServicer):
                     self.stats.bytes_by_peer[peer] += len(piece)
                 self.stats.chunks_served += 1
                 if request.pick and entry.digest in self._served_count:  # the window runs from the last byte
-                    now = time.monotonic()
-                    self._served_count[entry.digest][1][index] = now
-                    recipients = self._handed_to[entry.digest].setdefault(index, deque(maxlen=MAX_HOLDERS))
-                    recipients.appendleft((peer_bytes, now))
+                    _, last, handed_to = self._served_count[entry.digest]
+                    last[index] = time.monotonic()
+                    recipients = handed_to.setdefault(index, deque(maxlen=MAX_HOLDERS))
+                    recipients.appendleft((peer_bytes, last[index]))
                 unfinished = None
             if ran_out and request.want_holders and request.fresh_for > 0:
                 holders = self._recent_holders(entry, indices, sent, request.fresh_for, peer_bytes)
@@ -303,7 +304,7 @@ class WeightsServicer(LingeringServicer):
                     yield weights_pb2.ChunkPart(holders=holders)
         finally:
             if unfinished is not None and entry.digest in self._served_count:  # nobody got it: not handed out
-                counts, last = self._served_count[entry.digest]
+                counts, last, _ = self._served_count[entry.digest]
                 counts[unfinished[0]] -= 1
                 last[unfinished[0]] = unfinished[1]
             self._streams_total -= 1
@@ -346,13 +347,10 @@ class WeightsServicer(LingeringServicer):
         state = self._served_count.get(entry.digest)
         if state is None:
             n = entry.manifest.num_chunks
-            state = self._served_count[entry.digest] = ([0] * n, [float("-inf")] * n)
-            self._handed_to[entry.digest] = {}
+            state = self._served_count[entry.digest] = ([0] * n, [float("-inf")] * n, {})
             while len(self._served_count) > 64:  # forget the oldest manifests' counts
-                oldest = next(iter(self._served_count))
-                del self._served_count[oldest]
-                self._handed_to.pop(oldest, None)
-        counts, last = state
+                del self._served_count[next(iter(self._served_count))]
+        counts, last, _ = state
         now = time.monotonic()
         held = [i for i in indices if i not in sent and entry.store.has(i)]
         if fresh_for > 0:
@@ -371,7 +369,7 @@ class WeightsServicer(LingeringServicer):
     ) -> list[bytes]:
         """The peers (newest first, at most MAX_HOLDERS) that were handed, within ``fresh_for`` s, a
         candidate of ``indices`` this stream skipped as fresh; never the requester itself."""
-        handed = self._handed_to.get(entry.digest, {})
+        handed = self._served_count[entry.digest][2] if entry.digest in self._served_count else {}
         now = time.monotonic()
         recent = sorted(
             (
@@ -383,11 +381,7 @@ class WeightsServicer(LingeringServicer):
             ),
             reverse=True,
         )
-        holders: list[bytes] = []
-        for _, holder in recent:
-            if holder not in holders:
-                holders.append(holder)
-        return holders[:MAX_HOLDERS]
+        return list(dict.fromkeys(holder for _, holder in recent))[:MAX_HOLDERS]
 
     async def _throttle(self, nbytes: int) -> None:
         rate = self.limits.upload_rate_limit

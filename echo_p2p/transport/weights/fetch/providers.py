@@ -37,8 +37,8 @@ class Source:
         self.peer_id = peer_id
         self.maddrs = list(maddrs)
         self.publisher = publisher
-        # known from the publisher naming it (``ChunkPart.holders``), not from a record of its own: failing to
-        # reach it (perhaps without addresses) says nothing against it
+        # known from the publisher naming it (``ChunkPart.holders``), dialled at the addresses of an older
+        # record of it: failing to reach it there says nothing against what it announces now
         self.named = named
         self.complete: set[str] = set()
         self.partial: set[str] = set()

@@ -224,8 +224,6 @@ class FetchSession:
             source = sources.get(p.peer_id)
             if source is None:
                 source = sources[p.peer_id] = Source(p.peer_id, p.maddrs)
-            elif not source.maddrs:  # named by the publisher before its record was read
-                source.maddrs = list(p.maddrs)
             source.complete |= complete
             source.partial |= partial - source.complete
         # the publisher had nothing fresh for a digest at least announce_grace before this read: if no other
