@@ -78,7 +78,7 @@ def start_dht(
     deadline."""
     from hivemind.dht.crypto import RSASignatureValidator
 
-    from echo_p2p.net.reachability import relay_options
+    from echo_p2p.net.reachability import daemon_options
     from echo_p2p.net.records import rules_validator, schema_validator
     from echo_p2p.net.sockets import use_private_socket_dir
     from echo_p2p.net.trainer_writers import TrainerWriters, trainer_keys
@@ -104,8 +104,8 @@ def start_dht(
     )
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = list(network.announce_maddrs)
-    if not client_mode:  # a reader (monitor, swarm status) dials out only: it needs no relay
-        kwargs.update(relay_options(network.relay_addresses, network.reachability))
+    # a reader (monitor, swarm status) dials out only: it needs no relay slot of its own
+    kwargs.update(daemon_options(() if client_mode else network.relay_addresses, network.reachability))
     make = _dht_maker(in_process)  # imports first (torch, for hivemind.DHT): not on the start-up deadline
     use_private_socket_dir()  # this process's p2pd and client sockets: removed when it exits
     deadline = time.monotonic() + network.startup_timeout

@@ -3,8 +3,8 @@
 Owned here: classifying multiaddrs (loopback, private, public, relayed), the swarm's *scope* (the class of its
 bootstrap addresses: a run on 127.0.0.1, on a LAN, or on the internet), ``dialable`` (the addresses worth
 announcing in that scope), ``Reachability`` (a node's current status and addresses, re-read from its daemon
-at most every few seconds), the p2pd flags that make a node behind NAT reachable through relays
-(``relay_options``), and ``daemon_maddr`` (an announced address as the daemon dials it).
+at most every few seconds), the p2pd flags of every node (``daemon_options``: bounded relay buffers, and what makes a node behind NAT
+reachable through relays), and ``daemon_maddr`` (an announced address as the daemon dials it).
 Callers: ``net.node.start_dht``, the peers' announcements, the weights provider and publisher,
 ``transport.p2p_loop``. No hivemind import at module level.
 
@@ -32,13 +32,16 @@ AddressClass = Literal["loopback", "private", "public", "relayed"]
 Status = Literal["direct", "relayed", "unreachable"]
 RANK = {"loopback": 0, "private": 1, "public": 2}
 
-#: hivemind 1.1.12 passes ``force_reachability`` through a class table of p2pd flags: echo_p2p registers
-#: three entries that also turn relay discovery off (static relays reserve at once), see ``relay_options``.
-_STATIC_RELAY_MODES = {
-    None: "echo-static-relays",
-    "public": "echo-static-relays-public",
-    "private": "echo-static-relays-private",
-}
+#: hivemind 1.1.12 passes ``force_reachability`` through a class table of p2pd flags: echo_p2p registers its
+#: own entries there (``daemon_options``), the only way to hand p2pd flags that ``P2P.create`` does not name.
+_MODE_FLAGS = {None: {}, "public": {"forceReachabilityPublic": 1}, "private": {"forceReachabilityPrivate": 1}}
+
+#: Bytes of each of the two buffers through which p2pd's relay service copies one relayed connection.
+#: hivemind's p2pd defaults to 16 MiB (go-libp2p's own default is 2 KiB): 32 MiB of a relay's memory per
+#: circuit, up to 16 circuits per peer. A bootstrap relaying the swarm's home peers grew by tens of MiB at
+#: every reconnection in the soak (docs/reliability.md), and a stranger could make it hold 512 MiB per key.
+#: 64 KiB copies a relayed stream in 64 KiB reads, far above a home uplink's need.
+RELAY_BUFFER_BYTES = 64 * 1024
 
 
 def address_class(maddr: str) -> AddressClass | None:
@@ -94,24 +97,23 @@ def dialable(maddrs: Sequence[str], scope: AddressClass | None) -> tuple[list[st
     return (by_class["relayed"], "relayed") if by_class["relayed"] else ([], "unreachable")
 
 
-def relay_options(relays: Sequence[str], reachability: str) -> dict:
-    """Extra ``hivemind.DHT`` / ``P2P.create`` arguments: AutoNAT's verdict (or ``reachability`` forced to
-    ``public``/``private``) and, when ``relays`` are known, a reservation on one of them as soon as the node
-    is found unreachable."""
-    forced = None if reachability == "auto" else reachability
-    if not relays:
-        return {"force_reachability": forced} if forced else {}
+def daemon_options(relays: Sequence[str], reachability: str) -> dict:
+    """Extra ``hivemind.DHT`` / ``P2P.create`` arguments of every node: p2pd's relay service with bounded
+    buffers (``RELAY_BUFFER_BYTES``), AutoNAT's verdict (or ``reachability`` forced to ``public``/``private``)
+    and, when ``relays`` are known, a reservation on one of them as soon as the node is found unreachable
+    (relay discovery off: static relays reserve at once)."""
     from hivemind.p2p import P2P
 
-    flags = {None: {}, "public": {"forceReachabilityPublic": 1}, "private": {"forceReachabilityPrivate": 1}}
-    for key, name in _STATIC_RELAY_MODES.items():
-        P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, {**flags[key], "relayDiscovery": 0})
-    return {
-        "use_relay": True,
-        "use_auto_relay": True,
-        "trusted_relays": list(relays),
-        "force_reachability": _STATIC_RELAY_MODES[forced],
-    }
+    forced = None if reachability == "auto" else reachability
+    flags = {**_MODE_FLAGS[forced], "relayBufferSize": RELAY_BUFFER_BYTES}
+    name = f"echo-{forced or 'auto'}"
+    options: dict = {}
+    if relays:
+        flags["relayDiscovery"] = 0
+        name += "-static-relays"
+        options = {"use_relay": True, "use_auto_relay": True, "trusted_relays": list(relays)}
+    P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, flags)
+    return {**options, "force_reachability": name}
 
 
 def daemon_maddr(maddr: str):

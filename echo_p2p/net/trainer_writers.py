@@ -57,7 +57,8 @@ class TrainerWriters:
         self.allowed: frozenset[str] | None = None if allowed is None else frozenset(allowed)
         self.owner: tuple[str, str] | None = None  # (run id, owner peer id) whose signed run records it keeps
         self._peer_ids: OrderedDict[bytes, str | None] = OrderedDict()
-        self._verified: OrderedDict[bytes, object] = OrderedDict()  # value -> the owner's RunRecord or None
+        # a value without its writer's signature -> the owner's RunRecord in it, or None
+        self._verified: OrderedDict[bytes, object] = OrderedDict()
 
     def validate(self, record) -> bool:
         if record.key == self.run_key_id:
@@ -69,18 +70,23 @@ class TrainerWriters:
     def signed_by_owner(self, value: bytes) -> bool:
         """Whether a stored run record (its DHT value, writer's signature included) is one the run's owner
         signed and that has not expired: copies of anything else are refused like untrusted writers'."""
-        record = _cached(self._verified, value, self._owners_record)
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        # keyed without the writer's DHT signature, which changes with every store (it covers the expiration):
+        # each keeper's re-store every few seconds was a new entry, and a bootstrap's memory grew with them
+        # until the cache was full (~6 MiB in 30 minutes of the soak, docs/reliability.md)
+        stripped = RSASignatureValidator._SIGNATURE_RE.sub(b"", value)
+        record = _cached(self._verified, stripped, self._owners_record)
         return record is not None and record.expires_at > time.time()
 
-    def _owners_record(self, value: bytes):
-        from hivemind.dht.crypto import RSASignatureValidator
+    def _owners_record(self, stripped: bytes):
         from hivemind.utils import MSGPackSerializer
 
         from echo_p2p.net.records import SignedRunRecord
         from echo_p2p.net.run_record import newest_valid
 
         try:
-            wire = MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
+            wire = MSGPackSerializer.loads(stripped)
             run_id, owner = self.owner
             return newest_valid([SignedRunRecord.from_wire(wire)], run_id, owner)[0]
         except Exception:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from echo_p2p.net.reachability import address_class, daemon_maddr, dialable, relay_options, swarm_scope
+from echo_p2p.net.reachability import address_class, daemon_maddr, daemon_options, dialable, swarm_scope
 
 ME = "QmYquueAWWnn6k59J424MwskKCk1b1UNKyzeixHSdHbTAx"
 RELAY = "12D3KooWN7iEHyorUbUBPRThLtyGVre3xUeELYgmTmDDpvc16QoN"
@@ -60,18 +60,33 @@ def test_a_relayed_address_is_dialled_through_its_relay_with_a_raw_multihash_pee
         daemon_maddr(f"/p2p-circuit/p2p/{ME}")
 
 
-def test_relay_options_reserve_on_static_relays_and_force_reachability_when_told() -> None:
+def test_daemon_options_bound_relay_buffers_reserve_on_static_relays_and_force_reachability_when_told() -> (
+    None
+):
     from hivemind.p2p import P2P
 
-    assert relay_options([], "auto") == {} and relay_options([], "private") == {
-        "force_reachability": "private"
+    from echo_p2p.net.reachability import RELAY_BUFFER_BYTES
+
+    def flags(options: dict) -> dict:
+        return P2P.FORCE_REACHABILITY_MAPPING[options["force_reachability"]]
+
+    bare = daemon_options([], "auto")
+    assert set(bare) == {"force_reachability"}
+    # every node's relay service copies a circuit through small buffers, not p2pd's 2 x 16 MiB
+    assert flags(bare) == {"relayBufferSize": RELAY_BUFFER_BYTES} and RELAY_BUFFER_BYTES <= 1 << 20
+    assert flags(daemon_options([], "private")) == {
+        "forceReachabilityPrivate": 1,
+        "relayBufferSize": RELAY_BUFFER_BYTES,
     }
-    options = relay_options([CIRCUIT.split("/p2p-circuit")[0]], "private")
+    options = daemon_options([CIRCUIT.split("/p2p-circuit")[0]], "private")
     assert options["use_auto_relay"] and options["trusted_relays"]
-    flags = P2P.FORCE_REACHABILITY_MAPPING[options["force_reachability"]]
-    assert flags == {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
-    auto = relay_options([CIRCUIT.split("/p2p-circuit")[0]], "auto")
-    assert P2P.FORCE_REACHABILITY_MAPPING[auto["force_reachability"]] == {"relayDiscovery": 0}
+    assert flags(options) == {
+        "forceReachabilityPrivate": 1,
+        "relayDiscovery": 0,
+        "relayBufferSize": RELAY_BUFFER_BYTES,
+    }
+    auto = daemon_options([CIRCUIT.split("/p2p-circuit")[0]], "auto")
+    assert flags(auto) == {"relayDiscovery": 0, "relayBufferSize": RELAY_BUFFER_BYTES}
 
 
 def test_an_unreachable_node_reads_its_addresses_again_within_the_retry_not_the_period() -> None:
