@@ -3,8 +3,9 @@
 Owned here: classifying multiaddrs (loopback, private, public, relayed), the swarm's *scope* (the class of its
 bootstrap addresses: a run on 127.0.0.1, on a LAN, or on the internet), ``dialable`` (the addresses worth
 announcing in that scope), ``Reachability`` (a node's current status and addresses, re-read from its daemon
-at most every few seconds), the p2pd flags of every node (``daemon_options``: bounded relay buffers, and what makes a node behind NAT
-reachable through relays), and ``daemon_maddr`` (an announced address as the daemon dials it).
+at most every few seconds), the p2pd flags of every node (``daemon_options``: bounded relay buffers, and
+what makes a node behind NAT reachable through relays), and ``daemon_maddr`` (an announced address as the
+daemon dials it).
 Callers: ``net.node.start_dht``, the peers' announcements, the weights provider and publisher,
 ``transport.p2p_loop``. No hivemind import at module level.
 
