@@ -360,6 +360,7 @@ class InferencePeer(BasePeer):
                 seconds_paced=push["seconds_paced"],
                 room_queries=push["room_queries"],
                 outbox=push["outbox"],
+                rollouts_by_trainer=push["by_trainer"],
                 stale_waits=self.stale_waits,
             )
         if self.sample_server is not None:

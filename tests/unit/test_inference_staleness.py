@@ -70,11 +70,12 @@ def test_on_trainer_version_nudges_only_for_a_newer_version():
 
 
 def test_a_version_the_trainer_would_refuse_on_arrival_waits_before_any_refusal():
-    from echo_p2p.transport.rollouts.push import RolloutPusher, _Trainer
+    from echo_p2p.transport.rollouts.grants import TrainerState
+    from echo_p2p.transport.rollouts.push import RolloutPusher
 
     pusher = RolloutPusher(loop=None, directory=None)
     assert pusher.useful_floor() is None  # nothing known yet: no wait
-    pusher._trainers = {"t": _Trainer("t", [], room=1, stamp=0.0, max_staleness=4)}
+    pusher._ledger.trainers = {"t": TrainerState("t", [], room=1, stamp=0.0, max_staleness=4)}
     pusher.trainer_version = 10  # its last ack: a group of version 7 lands at 11, 4 old, the bound
     assert pusher.useful_floor() == 7
     p = peer(version=7, floor=None, useful=pusher.useful_floor(), stale_wait=0.3)

@@ -1,16 +1,23 @@
 """Inference side of the async push (``--mode async``): deliver sampled rollout groups to trainers.
 
 Owned here: ``RolloutPusher``, a bounded outbox that ``submit`` fills (blocking while it is full: memory stays
-bounded, sampling waits) and a sender thread that pushes batches to the trainer announcing the most free
-buffer room, keeps every group until a trainer acknowledges it, and resends it to another trainer after an
-error or a timeout (that trainer is skipped for a growing back-off). A trainer that answered ``buffer_full``
-is probed again after ``full_recheck``. Acks report the trainer's policy version (``trainer_version``,
-``on_trainer_version``) and too-stale refusals raise ``stale_floor``, so the peer can stop sampling with a
-version nobody accepts. Pacing: each ack carries the trainer's grant to this peer (``PushAck.wanted``, see
-``train.pacing``), and ``reserve`` hands the sampling thread only groups some trainer asked for, waiting
-(while the sender thread holds room queries, pushes of no payload, at the trainers) when none did: nothing is
-sampled that would age unused in a buffer. A trainer that does not pace (``wanted`` -1) gets what is sampled,
-as fast as the outbox drains. The receiving side is ``rollouts.ingest.RolloutIngestServicer``.
+bounded, sampling waits) and a sender thread that pushes batches to trainers, keeps every group until a
+trainer acknowledges it, and resends it after an error or a timeout (that trainer is skipped for a growing
+back-off). Acks report the trainer's policy version (``trainer_version``, ``on_trainer_version``) and
+too-stale refusals raise ``stale_floor``, so the peer can stop sampling with a version nobody accepts.
+
+Pacing: each ack carries the trainer's grant to this peer (``PushAck.wanted``, see ``train.pacing``), and
+``reserve`` hands the sampling thread only groups some trainer asked for, waiting (while the sender thread
+holds room queries, pushes of no payload, at the trainers) when none did: nothing is sampled that would age
+unused in a buffer. A group belongs to the trainer whose grant it was sampled under and is pushed there; the
+groups owed to a trainer come off its next grant and no other's; a group its owner refuses (``not_granted``,
+``buffer_full``, ``future_version``) or whose owner fails or leaves takes the next grant any trainer holds for
+this peer (``rollouts.grants``). Routing by anything else broke pacing with two trainers: groups granted by
+one were pushed to the other, which refused them as not granted, while the first waited out its grants with
+an empty buffer and its partner waited for it at the epoch's all-reduce (10 s version stalls in the soak,
+``docs/reliability.md``). A trainer not known to pace (``wanted`` -1, or no ack yet) gets what is sampled as
+fast as the outbox drains, the one announcing the most free room first; one that answered ``buffer_full`` is
+probed again after ``full_recheck``. The receiving side is ``rollouts.ingest.RolloutIngestServicer``.
 Delivery is at-least-once: a trainer that dies before acking costs a resend; trainers de-duplicate by id.
 Caller: the inference peer. Must not import torch; blocking work never runs in the loop.
 """
@@ -34,6 +41,7 @@ from echo_p2p.proto import rollouts_pb2
 from echo_p2p.rollout import MAX_ROLLOUT_ID_LEN, RolloutGroup
 from echo_p2p.transport.p2p_loop import P2PLoop, peer_id_of
 from echo_p2p.transport.rollouts.config import PusherConfig
+from echo_p2p.transport.rollouts.grants import GrantLedger, TrainerState
 from echo_p2p.transport.rollouts.ingest import DELIVERED, RolloutIngestServicer, Status
 from echo_p2p.transport.rollouts.refusals import RETRYABLE_REASONS, ROUTINE_REASONS, Reason
 
@@ -42,6 +50,8 @@ logger = logging.getLogger(__name__)
 #: Seconds between two lines about rollouts refused for the same reason by the same trainer (with a count):
 #: a policy at its plateau repeats itself, and each repeat is refused as duplicate_content.
 REFUSAL_LOG_PERIOD = 10.0
+#: Trainers whose delivery counters a metrics line carries (``stats()['by_trainer']``)
+MAX_TRAINERS_REPORTED = 8
 ROUTINE = frozenset(r.value for r in ROUTINE_REASONS)
 
 
@@ -80,21 +90,8 @@ class _Item:
     payload: bytes
     attempts: int = 0  # pushes that carried it
     refusals: int = 0  # retryable refusals
-
-
-@dataclass
-class _Trainer:
-    peer_id: str
-    maddrs: list[str]
-    room: int
-    stamp: float  # wall-clock time the room figure is from
-    bad_until: float = 0.0  # monotonic
-    failures: int = 0  # failed pushes in a row (the back-off grows with them)
-    recheck_at: float = float("inf")  # monotonic: when a trainer that said "full" is probed again
-    # its grant to this peer, less what was reserved since (-1: not paced; None: unknown)
-    wanted: int | None = None
-    asked_at: float = -float("inf")  # monotonic: when its last ack (push or room query) arrived
-    max_staleness: int | None = None  # as its record says
+    #: the trainer whose grant it was sampled under (it goes there), or None: any trainer that grants it
+    owner: str | None = None
 
 
 class RolloutPusher:
@@ -124,7 +121,7 @@ class RolloutPusher:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._trainers: dict[str, _Trainer] = {}
+        self._ledger = GrantLedger()  # the trainers, their grants, and which group is owed to which
         self._refreshed_at = -float("inf")
         self.counters: Counter[str] = Counter()  # submitted, sent, acked, duplicates, resent, failed_pushes
         self.rejected: Counter[str] = Counter()  # reason -> groups refused for good
@@ -135,7 +132,6 @@ class RolloutPusher:
         self.seconds_without_trainer = 0.0  # groups waiting and no trainer with room
         self.seconds_paced = 0.0  # reserve waited: no trainer wanted more groups
         self._reserving = 0  # sampling threads waiting in reserve (the sender thread queries for room)
-        self._undelivered = 0  # groups reserved from grants and not yet in an acknowledged push
         self.trainer_version: int | None = None  # the newest policy version an ack reported
         self.stale_floor: int | None = None  # the newest policy version of a group refused as too stale
         #: called (in the sender thread) with a trainer's version when an ack reports a newer one
@@ -166,7 +162,7 @@ class RolloutPusher:
                 logger.warning("dropping a rollout with an invalid id %r", group.rollout_id[:80])
                 with self._cond:
                     self.rejected[Reason.MALFORMED.value] += 1
-                    self._undelivered = max(0, self._undelivered - 1)
+                    self._ledger.disown_from(self._ledger.claim())
                 queued += 1
                 continue
             payload = group.to_bytes()
@@ -176,7 +172,7 @@ class RolloutPusher:
                 )
                 with self._cond:
                     self.rejected[Reason.TOO_LARGE.value] += 1
-                    self._undelivered = max(0, self._undelivered - 1)
+                    self._ledger.disown_from(self._ledger.claim())
                 queued += 1
                 continue
             with self._cond:
@@ -191,7 +187,7 @@ class RolloutPusher:
                 self.seconds_waiting_for_room += time.monotonic() - started
                 if self._held() >= self.config.outbox_groups:
                     return queued
-                self._pending.append(_Item(group, payload))
+                self._pending.append(_Item(group, payload, owner=self._ledger.claim()))
                 self.counters["submitted"] += 1
                 queued += 1
                 self._cond.notify_all()
@@ -207,10 +203,12 @@ class RolloutPusher:
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         with self._cond:
+            # groups this thread reserved before and never submitted (its sampling failed): not on their way
+            self._ledger.release_unclaimed()
             self._reserving += 1
             try:
                 while not self._stop.is_set() and not (stop_event is not None and stop_event.is_set()):
-                    granted = self._take_grant(groups)
+                    granted = self._ledger.take(groups, time.monotonic())
                     if granted:
                         return granted
                     remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
@@ -227,26 +225,12 @@ class RolloutPusher:
         """The newest policy version too old to sample with now, or None: a group of it would reach the
         trainer (at the version its last ack reported, one more by the time a push lands) already at that
         trainer's ``max_staleness``, with no version left to wait in its buffer."""
-        staleness = [t.max_staleness for t in list(self._trainers.values()) if t.max_staleness is not None]
+        staleness = [
+            t.max_staleness for t in list(self._ledger.trainers.values()) if t.max_staleness is not None
+        ]
         if self.trainer_version is None or not staleness:
             return None
         return self.trainer_version + 1 - min(staleness)
-
-    def _take_grant(self, groups: int) -> int:
-        """Caller holds the lock: reserve up to ``groups`` of the trainers' grants (largest first)."""
-        now = time.monotonic()
-        trainers = [t for t in self._trainers.values() if t.bad_until <= now]
-        if any(t.wanted == -1 for t in trainers):
-            return groups  # a trainer that does not pace: the outbox and its room bound what is sampled
-        taken = 0
-        for trainer in sorted(trainers, key=lambda t: -(t.wanted or 0)):
-            share = min(groups - taken, max(0, trainer.wanted or 0))
-            if share <= 0:
-                break
-            trainer.wanted = (trainer.wanted or 0) - share
-            taken += share
-        self._undelivered += taken
-        return taken
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued group is acknowledged (or dropped); False when ``timeout`` passes first."""
@@ -282,6 +266,11 @@ class RolloutPusher:
                 "outbox": self._held(),
                 "seconds_waiting_for_room": round(self.seconds_waiting_for_room, 3),
                 "seconds_without_trainer": round(self.seconds_without_trainer, 3),
+                # per trainer (the last 8 characters of its id), for the few trainers of a run
+                "by_trainer": {
+                    t.peer_id[-8:]: dict(t.flow)
+                    for t in list(self._ledger.trainers.values())[:MAX_TRAINERS_REPORTED]
+                },
             }
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -306,26 +295,41 @@ class RolloutPusher:
                 self._stop.wait(self.config.idle_wait)
 
     def _step(self) -> None:
+        """One push or room query. A waiting group goes to the trainer whose grant it was sampled under
+        (``_Item.owner``); one without an owner takes a grant a trainer holds (``GrantLedger.adopt``), else goes to a
+        trainer not known to pace (``_choose``), else waits while a room query asks a trainer for a grant."""
+        self._refresh_if_due()
         with self._cond:
             if not self._pending and not self._reserving:
                 self._cond.wait(0.2)
                 return
-            query = not self._pending
-        if query:
-            self._query_room()
-            return
-        trainer = self._choose()
-        if trainer is None:
-            self._wait_for_a_trainer()
-            return
+            now = time.monotonic()
+            self._ledger.adopt(self._pending, now)
+            taken = self._ledger.take_batch(self._pending, self.config.batch_groups)
+            if taken is not None:
+                self._pending = taken[2]
+            pending = bool(self._pending)
+            pacing = self._ledger.paced()
+        if taken is None:
+            trainer = self._choose() if pending else None
+            if trainer is None:
+                if pending and not pacing:
+                    self._wait_for_a_trainer()  # nobody with room, and nobody to ask for a grant
+                else:
+                    self._query_room()
+                return
+            with self._cond:
+                size = min(self.config.batch_groups, len(self._pending), max(1, trainer.room))
+                batch = [self._pending.popleft() for _ in range(size)]
+        else:
+            trainer, batch, _ = taken
         with self._cond:
-            size = min(self.config.batch_groups, len(self._pending), max(1, trainer.room))
-            batch = [self._pending.popleft() for _ in range(size)]
             self._in_flight += len(batch)
             for item in batch:
                 self.counters["resent" if item.attempts else "sent"] += 1
                 item.attempts += 1
         trainer.room -= len(batch)
+        trainer.flow["sent"] += len(batch)
         requeue: list[_Item] = batch
         try:
             ack = self.loop.run(self._push(trainer, batch), timeout=self.config.push_timeout)
@@ -349,7 +353,7 @@ class RolloutPusher:
         self._stop.wait(self.config.idle_wait)
         self.seconds_without_trainer += time.monotonic() - started
 
-    def _refused(self, trainer: _Trainer, error: str) -> None:
+    def _refused(self, trainer: TrainerState, error: str) -> None:
         """A trainer refused a whole push: counted by its reason, and a ban said out loud once per trainer (the
         peer's work is wasted there until the ban expires)."""
         reason = error.split(":", 1)[0].strip()[:32] or "unknown"  # the trainer's words: bounded
@@ -358,8 +362,9 @@ class RolloutPusher:
             self.banned_by.add(trainer.peer_id)
             logger.warning("trainer %s banned this peer: its pushes are refused unread", trainer.peer_id)
 
-    def _failed(self, trainer: _Trainer) -> None:
+    def _failed(self, trainer: TrainerState) -> None:
         self.counters["failed_pushes"] += 1
+        trainer.flow["failed"] += 1
         trainer.failures += 1
         trainer.bad_until = time.monotonic() + self.backoff(trainer.failures)
         self.loop.forget(trainer.peer_id)
@@ -369,7 +374,7 @@ class RolloutPusher:
         payload; a pacing trainer answers once it wants groups from us, or after its ``query_wait``)."""
         self._refresh_if_due()
         now = time.monotonic()
-        usable = [t for t in self._trainers.values() if t.bad_until <= now]
+        usable = [t for t in self._ledger.trainers.values() if t.bad_until <= now]
         if not usable:
             self._wait_for_a_trainer()
             return
@@ -379,6 +384,7 @@ class RolloutPusher:
             if ack.error:
                 raise RuntimeError(f"trainer refused the query: {ack.error}")
             self.counters["room_queries"] += 1
+            trainer.flow["queries"] += 1
             self._settle(trainer, [], ack)
         except Exception as exc:
             self._failed(trainer)
@@ -387,7 +393,7 @@ class RolloutPusher:
             with self._cond:
                 self._cond.notify_all()
 
-    async def _push(self, trainer: _Trainer, batch: list[_Item]) -> rollouts_pb2.PushAck:
+    async def _push(self, trainer: TrainerState, batch: list[_Item]) -> rollouts_pb2.PushAck:
         await self.loop.dial(trainer.peer_id, trainer.maddrs, timeout=self.config.push_timeout / 2)
         payloads = (
             rollouts_pb2.RolloutPayload(rollout_id=item.group.rollout_id, group=item.payload)
@@ -401,7 +407,7 @@ class RolloutPusher:
         cfg = self.config
         return min(cfg.retry_cooldown, cfg.first_retry * 2 ** max(0, failures - 1))
 
-    def _settle(self, trainer: _Trainer, batch: list[_Item], ack: rollouts_pb2.PushAck) -> list[_Item]:
+    def _settle(self, trainer: TrainerState, batch: list[_Item], ack: rollouts_pb2.PushAck) -> list[_Item]:
         """Count the verdicts of a push; returns the groups to send again."""
         trainer.failures = 0
         if ack.policy_version > (self.trainer_version if self.trainer_version is not None else -1):
@@ -410,27 +416,24 @@ class RolloutPusher:
                 self.on_trainer_version(self.trainer_version)
         if ack.free_room >= 0:
             trainer.room, trainer.stamp = int(ack.free_room), time.time()
-        with self._cond:
-            # the grant counts the groups of this push as delivered, not those reserved and still being
-            # sampled, queued or pushed elsewhere: they are on their way, so they come off the grant
-            self._undelivered = max(0, self._undelivered - len(batch))
-            wanted = max(-1, int(ack.wanted))
-            trainer.wanted = wanted if wanted < 0 else max(0, wanted - self._undelivered)
-            trainer.asked_at = time.monotonic()
-        requeue = []
+        requeue: list[_Item] = []
+        unread: set[int] = set()  # id() of the groups the trainer did not read
         for index, item in enumerate(batch):  # verdicts come in the order the groups were sent
             verdict = ack.acks[index] if index < len(ack.acks) else None
             if verdict is not None and verdict.rollout_id != item.group.rollout_id:
                 verdict = None
-            if verdict is None:  # not read by the trainer (over its per-push limit): send again
+            if verdict is None:  # not read by the trainer (over its per-push limit): send again, to it
                 requeue.append(item)
+                unread.add(id(item))
             elif verdict.status in DELIVERED:
                 self.counters["acked"] += 1
+                trainer.flow["acked"] += 1
                 if verdict.status == Status.DUPLICATE:
                     self.counters["duplicates"] += 1
             elif verdict.reason in (Reason.BUFFER_FULL.value, Reason.NOT_GRANTED.value):
                 # kept until some trainer has room (or grants it), however long
                 requeue.append(item)
+                trainer.flow[verdict.reason] += 1
                 trainer.room, trainer.stamp = 0, time.time()
                 # a trainer drains its buffer in well under its heartbeat: probe it again soon with one
                 # group (its ack carries the real room) instead of waiting for its next announcement
@@ -442,6 +445,7 @@ class RolloutPusher:
                 # catching up): another trainer takes the group, or this one once it has caught up
                 item.refusals += 1
                 requeue.append(item)
+                trainer.flow[verdict.reason] += 1
                 trainer.room, trainer.stamp = 0, time.time()
                 trainer.recheck_at = time.monotonic() + self.config.full_recheck
             elif _is_retryable(verdict.reason) and item.refusals + 1 < self.config.max_attempts:
@@ -450,6 +454,7 @@ class RolloutPusher:
             else:
                 reason = verdict.reason or "unknown"
                 self.rejected[reason] += 1
+                trainer.flow["rejected"] += 1
                 if reason == Reason.TOO_STALE.value:
                     version = item.group.policy_version
                     self.stale_floor = version if self.stale_floor is None else max(self.stale_floor, version)
@@ -464,15 +469,31 @@ class RolloutPusher:
                     verdict.reason,
                     verdict.detail,
                 )
+        with self._cond:
+            # a group read by the trainer is settled with it: delivered, refused for good, or (refused for
+            # now) free to take another trainer's grant
+            for item in batch:
+                if id(item) not in unread:
+                    self._ledger.disown(item)
+            # the grant counts the groups of this push as delivered, not those still being sampled, queued or
+            # in flight under its grant: they are on their way, so they come off it
+            self._ledger.grant_from_ack(trainer, int(ack.wanted))
+            trainer.asked_at = time.monotonic()
         return requeue
 
-    def _choose(self) -> _Trainer | None:
-        """The trainer with the most free room now (random among ties), or None."""
+    def _choose(self) -> TrainerState | None:
+        """Among the trainers not known to pace (``wanted`` -1: they take what is sampled; None: no ack yet),
+        the one with the most free room now (random among ties), or None."""
         self._refresh_if_due()
         now = time.monotonic()
-        usable = [t for t in self._trainers.values() if t.bad_until <= now and t.room > 0]
+        unpaced = [
+            t
+            for t in self._ledger.trainers.values()
+            if (t.wanted is None or t.wanted < 0) and t.bad_until <= now
+        ]
+        usable = [t for t in unpaced if t.room > 0]
         if not usable:  # nobody announced room: probe a trainer that said "full" a while ago
-            usable = [t for t in self._trainers.values() if t.bad_until <= now and t.recheck_at <= now]
+            usable = [t for t in unpaced if t.recheck_at <= now]
             for t in usable:
                 t.recheck_at = now + self.config.full_recheck
             return random.choice(usable) if usable else None
@@ -491,7 +512,7 @@ class RolloutPusher:
             logger.info("reading the trainer list failed: %s", exc)
             return
         own = self.loop.peer_id if self.loop.p2p is not None else None
-        seen: dict[str, _Trainer] = {}
+        seen: dict[str, TrainerState] = {}
         for entry in entries:
             record = entry.record
             if record.role != "trainer" or record.accepts_rollouts is not True or record.state != "running":
@@ -502,14 +523,15 @@ class RolloutPusher:
                 self.counters["untrusted_trainers_skipped"] += 1  # an impostor: never given rollouts
                 continue
             room = record.free_buffer_room if record.free_buffer_room is not None else 1
-            known = self._trainers.get(record.peer_id)
+            known = self._ledger.trainers.get(record.peer_id)
             if known is None:
-                known = _Trainer(record.peer_id, list(record.maddrs), room, record.updated_at)
+                known = TrainerState(record.peer_id, list(record.maddrs), room, record.updated_at)
             elif record.updated_at > known.stamp:  # a newer announcement than our last ack from it
                 known.room, known.stamp, known.maddrs = room, record.updated_at, list(record.maddrs)
             known.max_staleness = record.max_staleness
             seen[record.peer_id] = known
-        self._trainers = seen
+        with self._cond:
+            self._ledger.trainers = seen
 
 
 def _is_retryable(reason: str) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from echo_p2p.proto import rollouts_pb2
 from echo_p2p.transport.rollouts.config import PusherConfig
-from echo_p2p.transport.rollouts.push import RolloutPusher, _Trainer
+from echo_p2p.transport.rollouts.grants import TrainerState
+from echo_p2p.transport.rollouts.push import RolloutPusher
 
 
 def test_backoff_starts_short_doubles_and_is_capped():
@@ -14,7 +15,7 @@ def test_backoff_starts_short_doubles_and_is_capped():
 
 def test_an_ack_resets_the_failure_count():
     pusher = RolloutPusher(loop=None, directory=None)
-    trainer = _Trainer("QmTrainer", [], room=10, stamp=0.0, failures=4)
+    trainer = TrainerState("QmTrainer", [], room=10, stamp=0.0, failures=4)
     assert pusher._settle(trainer, [], rollouts_pb2.PushAck(free_room=7)) == []
     assert trainer.failures == 0 and trainer.room == 7
 
@@ -26,8 +27,8 @@ def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(mon
     from echo_p2p.transport.rollouts.refusals import Reason
 
     pusher = RolloutPusher(loop=None, directory=None, config=PusherConfig(full_recheck=0.2))
-    trainer = _Trainer("QmTrainer", [], room=5, stamp=0.0)
-    pusher._trainers = {trainer.peer_id: trainer}
+    trainer = TrainerState("QmTrainer", [], room=5, stamp=0.0, wanted=-1)  # a trainer that does not pace
+    pusher._ledger.trainers = {trainer.peer_id: trainer}
     pusher._refreshed_at = float("inf")  # no directory read in this test
     group = RolloutGroup(
         task="count",
@@ -44,7 +45,9 @@ def test_a_full_trainer_is_probed_again_soon_not_after_its_next_announcement(mon
     )
     now = [1000.0]
     monkeypatch.setattr("echo_p2p.transport.rollouts.push.time.monotonic", lambda: now[0])
-    assert pusher._settle(trainer, [item], rollouts_pb2.PushAck(acks=[full], free_room=0)) == [item]
+    assert pusher._settle(trainer, [item], rollouts_pb2.PushAck(acks=[full], free_room=0, wanted=-1)) == [
+        item
+    ]
     assert trainer.room == 0
     assert pusher._choose() is None  # just said full
     now[0] += 0.25
@@ -74,7 +77,7 @@ def test_acks_report_the_trainer_version_and_too_stale_refusals_raise_the_stale_
     pusher = RolloutPusher(loop=None, directory=None)
     seen: list[int] = []
     pusher.on_trainer_version = seen.append
-    trainer = _Trainer("QmTrainer", [], room=10, stamp=0.0)
+    trainer = TrainerState("QmTrainer", [], room=10, stamp=0.0)
     old, fresh = _group(3), _group(9)
     acks = [
         rollouts_pb2.GroupAck(
@@ -104,7 +107,7 @@ def test_refusals_of_one_kind_are_logged_once_per_period_with_a_count(caplog, mo
     pusher = RolloutPusher(loop=None, directory=None)
     now = [0.0]
     pusher._refusals_log._clock = lambda: now[0]
-    trainer = _Trainer("QmTrainer", [], room=10, stamp=0.0)
+    trainer = TrainerState("QmTrainer", [], room=10, stamp=0.0)
     monkeypatch.setattr(logging.getLogger("echo_p2p"), "propagate", True)  # off once a CLI set up logging
     caplog.set_level(logging.WARNING, logger="echo_p2p.transport.rollouts.push")
 
@@ -129,7 +132,7 @@ def test_refusals_of_one_kind_are_logged_once_per_period_with_a_count(caplog, mo
 
 def test_whole_pushes_refused_are_counted_by_reason_and_a_ban_is_said_once_per_trainer(caplog):
     pusher = RolloutPusher(loop=None, directory=None)
-    a, b = _Trainer("QmA", [], room=1, stamp=0.0), _Trainer("QmB", [], room=1, stamp=0.0)
+    a, b = TrainerState("QmA", [], room=1, stamp=0.0), TrainerState("QmB", [], room=1, stamp=0.0)
     for trainer, error in [
         (a, "banned: this trainer banned the sender"),
         (a, "banned: this trainer banned the sender"),
