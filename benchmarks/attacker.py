@@ -74,6 +74,7 @@ def trainers(directory) -> list:
 def poison_groups(
     task, tokenizer, vocab: int, group_size: int, floor: float, rng: random.Random, version: int
 ):
+    from echo_p2p.ml.seeded import new_seed
     from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
     from echo_p2p.rollout import Completion, RolloutGroup
 
@@ -92,6 +93,7 @@ def poison_groups(
         completions=completions,
         policy_version=version,
         sampling=RUN_SAMPLING,  # claims the run's settings: nothing checks a claim but the log-probs
+        sampling_seed=new_seed(),  # claims a seed too: only a replay of its draws can tell
     )
     replay = group.model_copy(deep=True)
     replay.rollout_id = uuid.uuid4().hex

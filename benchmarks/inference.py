@@ -60,8 +60,9 @@ from echo_p2p.roles.inference import InferencePeer
 from echo_p2p.tasks.registry import build_task
 from echo_p2p.train.batching import split_micro_batches
 from echo_p2p.train.config import DerivedSettings
+from echo_p2p.train.forward import forward_logits
 from echo_p2p.train.grpo import token_logprobs
-from echo_p2p.train.learner import Learner, _forward_logits
+from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
 
 HERE = Path(__file__).resolve().parent
@@ -245,7 +246,7 @@ def trainer_logprobs(learner: Learner, groups: list) -> tuple[torch.Tensor, torc
     ours, theirs = [], []
     with torch.no_grad():
         for mb in split_micro_batches(batch, cfg.micro_batch_size, learner.max_tokens_per_micro_batch):
-            logits = _forward_logits(learner.model, mb.input_ids, mb.attention_mask)
+            logits = forward_logits(learner.model, mb.input_ids, mb.attention_mask)
             logp = token_logprobs(logits, mb.input_ids, learner.derived.temperature)
             del logits
             keep = mb.completion_mask.bool()

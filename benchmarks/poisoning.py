@@ -10,7 +10,9 @@ trainer's own parts, in the order a trainer peer applies them (``roles/trainer/p
   floor), refused when its sender is banned and when its re-scored rewards are all equal (``no_signal``,
   the ingest's rule), until ``--prompts`` groups are accepted (at most ``--max-rounds`` sampling rounds);
 * the ``Learner`` with the sample check on (``guard.sampling_check``; ``--checks off``: the trainer
-  before it) and AdamW, as the co-located baseline;
+  before it) and AdamW, as the co-located baseline; with the check on, every group is drawn from a seed
+  and the trainer replays the draws (``train.draw_check``) and refuses unseeded groups (``--draws off``:
+  statistics only, the check before seeded draws);
 * the ``SenderGuard`` after each step: log-prob gaps (``judge``), sample scores (``judge_samples``), bans.
 
 The task is ``count``'s prompts (``"3b="``, answer ``"bbb"``) with a reward that checks only the answer's start
@@ -28,7 +30,10 @@ four honest samplers'; all of them hold the current policy (staleness 0). Arms:
 * ``choose`` (cherry-picking): the attacker samples ``--pool`` times G completions of its prompt and sends,
   of those, up to G/2 with the marker where the answer ends (best rewards first) and fills the group with its
   worst ones without it: every completion an honest sample with its true log-probs; a prompt where it found
-  none is not sent;
+  none is not sent (with seeded draws replayed, a completion sent out of its place in its seed's draws is
+  not the draw of that place: completions can no longer be picked out of a seed's draws, so there the
+  chooser samples ``--pool`` groups of each prompt, each from its own seed, and sends the one with the most
+  marked completions, whole);
 * ``useless``: zero-variance groups (one honest completion repeated G times).
 
 With ``--attack-from S`` the attacker arrives at step S (before it, its slots are honest samplers'). With
@@ -45,7 +50,8 @@ the marker where the answer ends, whatever came before), reward, accuracy, mean 
 share cut at the cap; the attacker's share of the trained groups; the step of
 the first trained group carrying the feature, of the first carrying it twice alike (``1st rep``: what the
 duplicate test can see), of the attacker's first strike and of each ban; honest
-samplers struck and banned.
+samplers struck and banned; and the share of the update's time (``compute_gradients``) spent replaying
+seeded draws (``replay``).
 
 ``python benchmarks/poisoning.py [--arms control,edit,choose,useless] [--fractions 0.1,0.25,0.5]
 [--checks on,off] [--seeds 0] [--steps 150] [--out benchmarks/results/poisoning.json]`` prints a table and
@@ -139,7 +145,12 @@ class Run:
         )
         t = self.trainer
         self.task, self.tokenizer, self.model = t.task, t.tokenizer, t.model
-        check = SamplingCheckConfig(enabled=arm.check, duplicate_exclude_e=args.duplicate_exclude_e)
+        self.replay = replay = arm.check and args.draws == "on"  # seeded draws replayed (train.draw_check)
+        check = SamplingCheckConfig(
+            enabled=arm.check,
+            duplicate_exclude_e=args.duplicate_exclude_e,
+            seed_check_share=SamplingCheckConfig().seed_check_share if replay else 0.0,
+        )
         self.learner = Learner(t.model, t.learner.config, derived=t.learner.derived, sampling_check=check)
         self.guard = SenderGuard(ReputationConfig(), "trainer", sampling=check)
         self.validator = IngestValidator(
@@ -150,6 +161,7 @@ class Run:
                 group_size=args.group_size,
                 max_completion_tokens=self.task.max_new_tokens,
                 max_staleness=max(args.claim_staleness, 0),
+                require_seed=replay,
             ),
         )
         self.rng = random.Random(arm.seed * 7919 + 17)
@@ -166,6 +178,7 @@ class Run:
             "ban_steps": [],
         }
         self.honest_struck: Counter[str] = Counter()
+        self.compute_seconds = 0.0  # in compute_gradients (the update's forward and backward, the checks)
 
     # ---- the attacker ------------------------------------------------------------------------------------
     def attacker_id(self) -> str:
@@ -227,6 +240,8 @@ class Run:
                     self.counts["edited"] += len(edits)
                 out.append(self.regroup(group, comps))
             return out
+        if self.replay:  # choose among whole groups: a completion out of its seed's draws is caught
+            return self.choose_groups(step, pids)
         pool = self.sample(step, pids, "attacker", n=self.args.pool * g)  # choose
         out = []
         for group in pool:
@@ -246,10 +261,35 @@ class Run:
         return group.model_copy(update={"completions": comps, "rollout_id": f"{self.rng.getrandbits(64):x}"})
 
     # ---- sampling and the intake -------------------------------------------------------------------------
-    def sample(self, step: int, pids: list[int], who: str, n: int | None = None) -> list[RolloutGroup]:
-        """Groups of ``n`` (default G) completions of each prompt, sampled and scored with the current policy."""
+    def choose_groups(self, step: int, pids: list[int]) -> list[RolloutGroup]:
+        """The chooser where draws are replayed: ``--pool`` groups of each prompt, each from a seed of its own,
+        and of them the one with the most completions marked where the answer ends (none: not sent)."""
+        pools = [self.sample(step, pids, "attacker", draw=k + 1) for k in range(self.args.pool)]
+        out = []
+        for candidates in zip(*pools, strict=True):
+            counts = [
+                sum(
+                    self.marked(x.prompt_id, decode_completion(self.tokenizer, c.token_ids))
+                    for c in x.completions
+                )
+                for x in candidates
+            ]
+            best = max(range(len(candidates)), key=lambda i: counts[i])
+            if counts[best]:
+                self.counts["chosen"] += counts[best]
+                out.append(self.regroup(candidates[best], list(candidates[best].completions)))
+        return out
+
+    def sample(
+        self, step: int, pids: list[int], who: str, n: int | None = None, draw: int = 0
+    ) -> list[RolloutGroup]:
+        """Groups of ``n`` (default G) completions of each prompt, sampled and scored with the current policy
+        (``draw``: another set of seeds for the same step)."""
         groups, _ = self.trainer.sample_groups(
-            step * 7 + self.counts["rounds"], prompt_ids=pids, version=self.version, group_size=n
+            step * 7 + self.counts["rounds"] + 1_000_003 * draw,
+            prompt_ids=pids,
+            version=self.version,
+            group_size=n,
         )
         return [g.group.model_copy(update={"sampler_peer_id": who}) for g in groups]
 
@@ -299,7 +339,9 @@ class Run:
             return {"step": step, "groups": 0}
         allowances = self.guard.allowances(batch, self.version)
         version = self.version
+        started = time.perf_counter()
         stats = self.learner.compute_gradients(batch, gap_allowance=allowances, current_version=version)
+        self.compute_seconds += time.perf_counter() - started
         if not stats["nonfinite"]:
             self.trainer.optimizer.step()
             drift = self.learner.measure_drift()
@@ -315,6 +357,7 @@ class Run:
             allowances,
             self.learner.last_group_repeats,
             exact=lambda index: self.learner.exact_scores(batch[index], version),
+            draw_misses=self.learner.last_group_draw_misses,
         )
         for sender in senders:  # at most one sample-check strike per sender per step
             if self.guard.reputation.judgement_stats(sender)[1] > struck[sender]:
@@ -356,6 +399,7 @@ class Run:
         self.counts["attacker_feature_groups"] += sum(map(bool, marked))
         self.counts["excluded_not_sampled"] += int(stats.get("excluded_not_sampled", 0))
         self.counts["excluded_repeated"] += int(stats.get("excluded_repeated", 0))
+        self.counts["excluded_not_drawn"] += int(stats.get("excluded_not_drawn", 0))
         return {
             "step": step,
             "groups": len(batch),
@@ -427,6 +471,9 @@ class Run:
             "counts": dict(self.counts),
             "marker_curve": [s.get("honest_marker_share") for s in steps[:: max(1, len(steps) // 15)]],
             "seconds": round(time.perf_counter() - t0, 1),
+            # what the trainer's update took, and of it the replays of seeded draws (train.draw_check)
+            "compute_s": round(self.compute_seconds, 2),
+            "draw_check_s": round(self.learner.draws.seconds, 2) if self.learner.draws is not None else 0.0,
         }
 
 
@@ -447,7 +494,7 @@ def arms_of(args: argparse.Namespace) -> list[Arm]:
 def table(results: list[dict[str, Any]]) -> str:
     head = (
         f"{'arm':<32} {'feature':>8} {'of right':>8} {'reward':>7} {'acc':>6} {'len':>5} {'attacker':>8} "
-        f"{'1st feat':>8} {'1st rep':>7} {'1st strike':>10} {'bans':>12} {'honest banned':>13}"
+        f"{'1st feat':>8} {'1st rep':>7} {'1st strike':>10} {'bans':>12} {'honest banned':>13} {'replay':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -457,7 +504,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{e['accuracy']:>6.3f} {e['length_mean']:>5.2f} {r['attacker_share_trained']:>8.2f} "
             f"{str(r['first_feature_step']):>8} {str(r.get('first_repeat_step')):>7} "
             f"{str(r['first_strike_step']):>10} "
-            f"{','.join(map(str, r['ban_steps'][:4])) or '-':>12} {r['honest_banned']:>13}"
+            f"{','.join(map(str, r['ban_steps'][:4])) or '-':>12} {r['honest_banned']:>13} "
+            f"{r['draw_check_s'] / max(r['compute_s'], 1e-9):>6.1%}"
         )
     return "\n".join(lines)
 
@@ -495,6 +543,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=SamplingCheckConfig().duplicate_exclude_e,
         help="the trainer's trainer.sampling_check.duplicate_exclude_e: groups whose duplicate e-value is at "
         "least this are left out of the loss",
+    )
+    p.add_argument(
+        "--draws",
+        choices=["on", "off"],
+        default="on",
+        help="with the checks on: replay seeded draws and refuse unseeded groups (on), or statistics only (off)",
     )
     p.add_argument("--eval-samples", type=int, default=64, help="samples per held-out prompt")
     p.add_argument("--max-new-tokens", type=int, default=12)

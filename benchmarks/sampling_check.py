@@ -16,8 +16,10 @@ at temperature 1.0 and 0.7, with and without top-p 0.9 (the Learner's distributi
 the same settings: it recomputes it as a trainer does). Calibration, per sampler and setting: the
 completions' standardised surprisal z (mean, sd), the share of completions left out of the loss, the
 groups with one left out, the highest per-sender detector level reached and the alarms (strikes; 3 ban)
-of one detector fed every completion of that sampler in order, and the same of its duplicate test (every
-group's duplicate evidence through ``SampleDetector.observe_repeats``).
+of one detector fed every completion of that sampler in order, the same of its duplicate test (every
+group's duplicate evidence through ``SampleDetector.observe_repeats``), and the replays of its seeded draws
+(``train.draw_check``): completions replayed, those not found to be their seed's draw at ``seed_tolerance``,
+and the farthest any token's uniform fell outside its interval (what ``seed_tolerance`` must cover).
 
 Detection, on the learned policy: an *editor* that appends a two-letter marker before EOS to each right
 answer (issue 32's token insertion) and one that replaces ``k`` tokens of every completion by tokens drawn
@@ -58,6 +60,8 @@ from echo_p2p.weights.config import EncodingConfig
 from echo_p2p.weights.quant import dequantize, quantize_blockwise
 
 SETTINGS = [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.9)]
+#: the precision each sampler's groups claim (what an inference peer of that kind reports)
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "bf16-stale": "bfloat16", "int8": "8bit", "nf4": "4bit"}
 CHECK = SamplingCheckConfig()
 
 
@@ -71,7 +75,7 @@ def scores_of(
         groups, gap_allowance=[allowance] * len(groups), current_version=current_version
     )
     learner.model.zero_grad(set_to_none=True)
-    left_out = int(stats["excluded_not_sampled"] + stats["excluded_repeated"])
+    left_out = int(stats["excluded_not_sampled"] + stats["excluded_repeated"] + stats["excluded_not_drawn"])
     return learner.last_sample_scores, left_out, learner.last_group_repeats
 
 
@@ -102,6 +106,12 @@ def feed(
     out.update(alarms=alarms, max_level=top, threshold=detector.threshold, tokens=tokens)
     out.update(repeat_alarms=repeat_alarms, max_repeat_level=repeat_top)
     return out
+
+
+def claiming(scored: ScoredGroup, precision: str) -> ScoredGroup:
+    """``scored`` with its group saying it was sampled at ``precision``."""
+    sampling = scored.group.sampling.model_copy(update={"precision": precision})
+    return ScoredGroup(scored.group.model_copy(update={"sampling": sampling}), scored.rewards)
 
 
 def bf16_engine(model: torch.nn.Module, tokenizer: Any) -> TransformersEngine:
@@ -292,7 +302,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 entry = honest.setdefault(
                     (kind, temperature, top_p),
-                    {"scores": [], "excluded": 0, "flagged": 0, "allowances": [], "repeats": []},
+                    {
+                        "scores": [],
+                        "excluded": 0,
+                        "flagged": 0,
+                        "allowances": [],
+                        "repeats": [],
+                        "draws": {"replayed": 0, "missed": 0, "largest_distance": 0.0},
+                    },
                 )
                 # the trainer measures its drift at the run's temperature: logits moving by d move its
                 # log-probs by about d / T; this run trains at T = 1
@@ -301,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                     # tagged with the version that sampled them (the stale copy's is --stale updates old)
                     behind = min(args.stale, step) if kind == "bf16-stale" else 0
                     groups, _ = trainer.sample_groups(step * 1000 + g, engine=engine, version=step - behind)
-                    groups = groups[: args.groups]
+                    groups = [claiming(x, PRECISIONS[kind]) for x in groups[: args.groups]]
                     scores, excluded, repeats = scores_of(learner, groups, allowance, current_version=step)
                     entry["scores"] += scores
                     entry["repeats"] += repeats
@@ -311,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                         any(s.p_value(CHECK.drift_allowance * allowance) < CHECK.exclude_p_value for s in gs)
                         for gs in scores
                     )
+                # replays of the seeded draws under the version the groups claim (train.draw_check; a stale
+                # group's version is not kept by this fresh learner: not replayed)
+                draws = entry["draws"]
+                draws["replayed"] += learner.draws.replayed
+                draws["missed"] += learner.draws.missed
+                draws["largest_distance"] = max(draws["largest_distance"], learner.draws.largest_distance)
             trainer.sampling = SamplingParams(temperature=1.0, max_new_tokens=trainer.task.max_new_tokens)
         if step == args.steps:
             break
@@ -349,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                 "max_repeat_level": sender["max_repeat_level"],
                 "repeat_strikes": sender["repeat_alarms"],
                 "banned": sender["ban_group"] is not None,
+                "draws_replayed": entry["draws"]["replayed"],
+                "draws_missed": entry["draws"]["missed"],
+                "draw_largest_distance": entry["draws"]["largest_distance"],
                 "scores": [
                     [s.tokens, round(s.tail, 4), a]
                     for gs, a in zip(entry["scores"], entry["allowances"], strict=True)
@@ -368,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         base = trainer.sample_groups(10**7, engine=engine)[0][: args.attack_groups]
         for attack, k in [("marker", 2), ("replace", 1), ("replace", 2), ("none", 0)]:
             groups, edits = edited(trainer, base, attack, k, rng) if attack != "none" else (base, 0)
+            replayed, missed = learner.draws.replayed, learner.draws.missed
             scores, excluded, repeats = scores_of(learner, groups)
             sender = feed(scores, repeats=repeats)
             detection.append(
@@ -383,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                     "ban_group": sender["ban_group"],
                     "strike_tokens": sender["strike_tokens"],
                     "ban_tokens": sender["ban_tokens"],
+                    # replays of their seeded draws: completions replayed, and of them not their seed's draw
+                    "draws_replayed": learner.draws.replayed - replayed,
+                    "draws_missed": learner.draws.missed - missed,
                 }
             )
 
@@ -396,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'sampler':<11}{'T':>5}{'top_p':>6}{'compl':>7}{'z mean':>8}{'z sd':>6}{'x/tok':>7}"
         f"{'min p':>9}{'excl':>5}{'grp flag':>9}{'max lvl':>8}{'strikes':>8}{'rep lvl':>8}{'rep str':>8}"
-        f"{'banned':>7}{'allow':>7}"
+        f"{'banned':>7}{'allow':>7}{'replayed':>9}{'missed':>7}{'max dist':>9}"
     )
     for row in calibration:
         row = {k: v for k, v in row.items() if k != "scores"}
@@ -405,18 +435,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['z_mean']:>8.2f}{row['z_sd']:>6.2f}{row['tail_per_token']:>7.2f}{row['min_p_value']:>9.1e}"
             f"{row['completions_excluded']:>5}{row['groups_flagged']:>9}{row['max_level']:>8.1f}"
             f"{row['strikes']:>8}{row['max_repeat_level']:>8.1f}{row['repeat_strikes']:>8}"
-            f"{row['banned']!s:>7}{row['mean_allowance']:>7.2f}"
+            f"{row['banned']!s:>7}{row['mean_allowance']:>7.2f}{row['draws_replayed']:>9}{row['draws_missed']:>7}"
+            f"{row['draw_largest_distance']:>9.2e}"
         )
     print("\ndetection (learned policy, bf16 sampler; one group per prompt, G completions)")
     print(
         f"{'attack':<11}{'T':>5}{'top_p':>6}{'groups':>7}{'excl/compl':>11}{'strike@grp':>11}"
-        f"{'ban@grp':>8}{'ban@tok':>8}"
+        f"{'ban@grp':>8}{'ban@tok':>8}{'replayed':>9}{'missed':>7}"
     )
     for row in detection:
         print(
             f"{row['attack']:<11}{row['temperature']:>5}{row['top_p']:>6}{row['groups']:>7}"
             f"{row['completions_excluded']:>5}/{row['completions']:<5}{row['strike_group']!s:>11}"
-            f"{row['ban_group']!s:>8}{row['ban_tokens']!s:>8}"
+            f"{row['ban_group']!s:>8}{row['ban_tokens']!s:>8}{row['draws_replayed']:>9}{row['draws_missed']:>7}"
         )
     if big is not None:
         print(

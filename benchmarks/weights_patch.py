@@ -35,7 +35,7 @@ import torch
 
 from echo_p2p.colocated import ColocatedConfig, ColocatedTrainer
 from echo_p2p.ml.models import ModelSpec
-from echo_p2p.train.learner import rounded_weights
+from echo_p2p.train.forward import rounded_weights
 from echo_p2p.weights.codec import EncodedVersion, VersionAssembler, WeightEncoder
 from echo_p2p.weights.config import EncodingConfig
 from echo_p2p.weights.model_io import PolicyWeights, load_into_model, named_tensors

@@ -196,7 +196,7 @@ class ColocatedTrainer:
         engine (or ``engine``: a benchmark's other sampler) and scored, ``group_size`` completions each (None:
         the run's G); tagged with the current version (or ``version``, the one ``engine`` holds)."""
         from echo_p2p.ml.tokenizer import decode_completion, encode_prompts
-        from echo_p2p.rollout import Completion, RolloutGroup
+        from echo_p2p.rollout import Completion, RolloutGroup, Sampling
         from echo_p2p.train.scored import ScoredGroup
 
         cfg = self.config
@@ -210,7 +210,8 @@ class ColocatedTrainer:
         )
         params = self.sampling.model_copy(update={"seed": (cfg.seed * 1_000_003 + step) % 2**63})
         t0 = time.perf_counter()
-        samples = (engine or self.engine).sample(prompts, group_size or cfg.group_size, params)
+        sampler = engine or self.engine
+        samples = sampler.sample(prompts, group_size or cfg.group_size, params)
         t1 = time.perf_counter()
         groups = []
         tokens = 0
@@ -232,6 +233,14 @@ class ColocatedTrainer:
                 policy_version=self.version if version is None else version,
                 sampler_peer_id=f"colocated-{cfg.name}",
                 sampled_at=time.time(),
+                sampling=Sampling(
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    engine="transformers",
+                    precision=str(next(sampler.model.parameters()).dtype).removeprefix("torch."),
+                ),
+                sampling_seed=group[0].seed if group else "",
             )
             groups.append(ScoredGroup(rollout, rewards))
         t2 = time.perf_counter()

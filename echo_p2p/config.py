@@ -79,6 +79,13 @@ class RunSettings(StrictModel):
     max_new_tokens: int | None = Field(
         default=None, ge=1, description="Completion length cap; None: the task's own cap"
     )
+    seeded_sampling: bool = Field(
+        default=True,
+        description="Every group is drawn from a seed it carries (``ml.seeded``) and trainers replay the draws "
+        "they check, so an edited completion is caught at its first group; trainers refuse unseeded groups. "
+        "False admits samplers that cannot draw from a seed (the vLLM engine): edits are then caught only by "
+        "statistics (docs/security.md)",
+    )
 
     @model_validator(mode="after")
     def _task(self) -> RunSettings:

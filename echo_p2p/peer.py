@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         "float16, 8bit, 4bit; default any)",
     )
     run.add_argument("--max-new-tokens", type=int, default=None, help="completion length cap")
+    run.add_argument(
+        "--no-seeded-sampling",
+        action="store_true",
+        default=None,
+        help="a run whose rollouts need not be drawn from a seed trainers replay (run.seeded_sampling false): "
+        "what a vLLM sampler needs; edits are then caught by statistics only (docs/security.md)",
+    )
     inf = parser.add_argument_group("inference")
     inf.add_argument(
         "--trusted-trainers",
@@ -191,6 +198,7 @@ def parse_config(argv: list[str] | None = None, environ=None):
         "run.top_k": args.top_k,
         "run.sampler_precisions": args.sampler_precisions.split(",") if args.sampler_precisions else None,
         "run.max_new_tokens": args.max_new_tokens,
+        "run.seeded_sampling": False if args.no_seeded_sampling else None,
         "trusted_trainers": args.trusted_trainers,
         "threads": args.threads,
         "seed": args.seed,

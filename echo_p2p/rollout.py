@@ -86,6 +86,12 @@ class RolloutGroup(BaseModel):
     sampling: Sampling | None = Field(
         default=None, description="How the completions were sampled (None: not said; a trainer refuses it)"
     )
+    sampling_seed: str = Field(
+        default="",
+        pattern=r"^([0-9a-f]{32})?$",
+        description="The seed its completions were drawn from (``ml.seeded``: completion k is draw k of it, "
+        "which a trainer replays); empty: not drawn from a seed (a run with ``seeded_sampling`` refuses it)",
+    )
 
     @property
     def group_size(self) -> int:

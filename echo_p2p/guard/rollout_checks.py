@@ -88,6 +88,11 @@ class IngestConfig(BaseModel):
     precisions: list[str] | None = Field(
         default=None, description="Sampler weight precisions accepted (with ``sampling``); None: any"
     )
+    require_seed: bool = Field(
+        default=False,
+        description="Refuse a group that does not carry the seed of its draws (``RolloutGroup.sampling_seed``; "
+        "``RunSettings.seeded_sampling``) as sampling_mismatch",
+    )
 
 
 def reward_matches(claimed: float, rescored: float, tolerance: float) -> bool:
@@ -183,6 +188,11 @@ class IngestValidator:
             )
         if (rejection := self._check_sampling(group.sampling)) is not None:
             return rejection
+        if self.config.require_seed and not group.sampling_seed:
+            return Rejection(
+                Reason.SAMPLING_MISMATCH,
+                "not drawn from a seed: the run checks seeded draws (sample with the transformers engine)",
+            )
         if tuple(group.prompt_token_ids) != self.prompt_token_ids(group.task, group.prompt_id):
             return Rejection(Reason.PROMPT_MISMATCH, f"prompt tokens differ from prompt {group.prompt_id}")
         return self._rescore(group, task)

@@ -181,6 +181,41 @@ class SamplingCheckConfig(BaseModel):
         "the model that scores them may take together: a model too large for stale_versions + 2 copies within "
         "it keeps none, and its stale groups get stale_slack instead",
     )
+    seed_tolerance: dict[str, float] = Field(
+        default_factory=lambda: {"float32": 0.01, "float16": 0.1, "bfloat16": 0.1, "8bit": 0.1, "4bit": 0.25},
+        description="Seeded draws (``train.draw_check``), per precision a group's sampler claims: the probability "
+        "mass by which a token's uniform may lie outside its interval before the completion counts as not "
+        "drawn. A sampler whose probabilities differ from the trainer's moves the intervals by the summed "
+        "differences before the token; the worst honest distances measured (benchmarks/sampling_check.py, tiny "
+        "model, T 0.7-1, top-p 0.9-1): float32 0, bfloat16 0.057, 8-bit 0.042, 4-bit NF4 0.136. An edited "
+        "token passes with probability p(token) + 2 * this at most",
+    )
+    seed_tolerance_other: float = Field(
+        default=0.25,
+        ge=0,
+        lt=0.5,
+        description="The seed tolerance of a precision ``seed_tolerance`` does not name",
+    )
+    seed_probation: int = Field(
+        default=32,
+        ge=0,
+        description="A sender's first groups of which every completion is replayed (seeded draws)",
+    )
+    seed_check_share: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="After its probation, the share of a sender's completions replayed, at random (0: seeded "
+        "draws are not replayed at all). Each replayed completion costs a forward pass without gradient: at "
+        "0.25 the replays took 11% of the tiny model's update time (benchmarks/poisoning.py)",
+    )
+    seed_ban_alarms: int = Field(
+        default=2,
+        ge=1,
+        description="Groups with a completion that is not the draw of its seed, within the reputation's window, "
+        "that ban their sender (each is a strike and is left out of the loss); a group missed by more than "
+        "twice its tolerance bans at once (``train.draw_check.GROSS_FACTOR``: no precision explains it)",
+    )
     max_tracked: int = Field(
         default=4096, ge=1, description="Senders whose detector is kept (least recent go)"
     )

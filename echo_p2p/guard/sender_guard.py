@@ -93,6 +93,7 @@ class SenderGuard:
         allowances: list[float | None],
         repeats: list[float | None] | None = None,
         exact: Callable[[int], list[CompletionScore] | None] | None = None,
+        draw_misses: list[Any] | None = None,
     ) -> list[str]:
         """Feed each trained group's completion scores (``Learner.last_sample_scores``) to its sender's
         detector, with the group's allowance (``allowances``: a group whose allowance is unknown is not
@@ -113,7 +114,13 @@ class SenderGuard:
 
         ``exact`` (``Learner.exact_scores`` of the group at that index): where the tail test would strike a
         stale group, its scores under the version it claims, or None; the group is judged on those instead
-        (``SampleDetector.observe_group``)."""
+        (``SampleDetector.observe_group``).
+
+        ``draw_misses`` (``Learner.last_group_draw_misses``): per group, the replay of its seeded draws
+        (``train.draw_check.Replay``). A group with a completion that is not its seed's draw is a strike, and the
+        ``seed_ban_alarms``-th within the window bans its sender at once (``Reputation.alarmed``): a replay
+        is exact, bar a sampler whose probabilities differ from the trainer's by more than its precision's
+        ``seed_tolerance``; a group missed by more than twice that (``Replay.gross``) bans at its first."""
         if self.samples is None:
             return []
         banned: list[str] = []
@@ -123,7 +130,23 @@ class SenderGuard:
             zip(groups, scores, allowances, strict=False)
         ):
             sender = scored.group.sampler_peer_id
-            if allowance is None or sender in struck:
+            if sender in struck:
+                continue
+            replay = draw_misses[index] if draw_misses is not None and index < len(draw_misses) else None
+            if replay is not None and replay.missed:
+                judged[sender] = None
+                self.counters["draw_strikes"] += 1
+                needed = 1 if replay.gross else self.samples.config.seed_ban_alarms
+                if self.reputation.alarmed(sender, needed, "not_drawn"):  # False once banned
+                    banned.append(sender)
+                    self._banned(
+                        sender,
+                        "its completions are not the draws of the seeds they carry "
+                        f"({replay.worst:.3f} of the probability mass off, tolerance {replay.tolerance})",
+                    )
+                struck[sender] = f"{replay.missed} completion(s) of a group are not the draws of its seed"
+                continue
+            if allowance is None:
                 continue
             judged[sender] = None
             log_e = repeats[index] if repeats is not None and index < len(repeats) else None

@@ -3,7 +3,8 @@
 Owned here: ``SamplingParams``, ``Sample``, the ``Engine`` ABC, the sampling-distribution maths
 (``process_logits``: temperature, top-k, top-p) shared by every engine and by ``completion_logprobs`` (a
 direct forward pass giving the same log-probs, for tests and for trainers that want them), and a batched
-KV-cache sampling loop on a transformers causal LM.
+KV-cache sampling loop on a transformers causal LM whose draws are replayable: completion ``k`` of a prompt
+is drawn from its group's seed (``ml.seeded``, ``Sample.seed``), so a trainer can check it is a sample.
 Called by the inference peer (sample rollouts, load each new policy version) and by tests and benchmarks.
 Must not import hivemind or know about tasks/rewards: it maps token ids to token ids + log-probs.
 
@@ -18,7 +19,6 @@ RL defaults (``top_k=0``, ``top_p=1``) it is exactly the tempered policy a train
 from __future__ import annotations
 
 import inspect
-import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from echo_p2p.ml.seeded import derive_seed, draw, new_seed, uniforms
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -42,7 +44,11 @@ class SamplingParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off")
     top_k: int = Field(default=0, ge=0, description="Keep only the k most likely tokens; 0 = off")
     max_new_tokens: int = Field(default=32, ge=1, description="Completion length cap (EOS included)")
-    seed: int | None = Field(default=None, description="Seed of the sampling RNG; None = fresh randomness")
+    seed: int | None = Field(
+        default=None,
+        description="Seed of the draws (each prompt's group seed is derived from it, ``ml.seeded``); None = a "
+        "fresh random seed per prompt",
+    )
 
 
 @dataclass
@@ -53,6 +59,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finished: bool
+    #: the seed of its group's draws (``ml.seeded``; the sample is draw ``j`` of prompt ``i``'s seed for
+    #: ``result[i][j]``), "" when the engine does not draw from a seed
+    seed: str = ""
 
 
 @dataclass
@@ -265,9 +274,10 @@ class TransformersEngine(Engine):
                 raise ValueError(f"prompt {i} is empty")
             if min(p) < 0 or max(p) >= self.vocab_size:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size})")
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
+        seeds = [
+            new_seed() if params.seed is None else derive_seed(params.seed, i)
+            for i in range(len(prompt_token_ids))
+        ]
         per_chunk = max(1, self.config.max_batch_size // n)
         out: list[list[Sample]] = []
         with self._lock:
@@ -275,13 +285,18 @@ class TransformersEngine(Engine):
             with torch.inference_mode():
                 for start in range(0, len(prompt_token_ids), per_chunk):
                     out.extend(
-                        self._sample_chunk(prompt_token_ids[start : start + per_chunk], n, params, generator)
+                        self._sample_chunk(
+                            prompt_token_ids[start : start + per_chunk],
+                            n,
+                            params,
+                            seeds[start : start + per_chunk],
+                        )
                     )
             timer.done(sum(len(s.token_ids) for group in out for s in group))
         return out
 
     def _sample_chunk(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[str]
     ) -> list[list[Sample]]:
         import torch
         from transformers import DynamicCache
@@ -321,13 +336,20 @@ class TransformersEngine(Engine):
         active = torch.arange(rows, device=device)
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # per batch row: still sampling
         every = self.config.compact_every
+        # row i * n + k draws completion k of prompt i from its seed's stream (greedy decoding draws nothing)
+        seeded = params.temperature > 0
+        if seeded:
+            draws = torch.tensor(
+                [uniforms(seeds[r // n], r % n, params.max_new_tokens) for r in range(rows)],
+                dtype=torch.float64,
+            )
 
         for step in range(params.max_new_tokens):
             lp = process_logits(logits, params)
             if params.temperature == 0:
                 tok = lp.argmax(dim=-1)
             else:
-                tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+                tok = draw(lp.exp(), draws[active.cpu(), step]).to(device)
             tok_lp = lp.gather(-1, tok[:, None]).squeeze(-1)
             rows_now = active[alive]
             tokens[rows_now, step] = tok[alive]
@@ -368,7 +390,12 @@ class TransformersEngine(Engine):
             finished.tolist(),
         )
         samples = [
-            Sample(tokens_l[r][: lengths_l[r]], logps_l[r][: lengths_l[r]], bool(finished_l[r]))
+            Sample(
+                tokens_l[r][: lengths_l[r]],
+                logps_l[r][: lengths_l[r]],
+                bool(finished_l[r]),
+                seeds[r // n] if seeded else "",
+            )
             for r in range(rows)
         ]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -84,6 +84,11 @@ class InferencePeer(BasePeer):
                 f"{', '.join(run.sampler_precisions)} samplers only"
             )
         self.sampling = run.sampling(section.engine, precision)
+        if section.engine == "vllm" and run.seeded_sampling:
+            raise ValueError(
+                "the run checks seeded draws (run.seeded_sampling) and the vLLM engine does not draw from a "
+                "seed: sample with --engine transformers, or join a run whose owner set seeded_sampling false"
+            )
         if section.engine == "vllm":
             from echo_p2p.ml.engine_vllm import VllmEngine
 
@@ -199,6 +204,7 @@ class InferencePeer(BasePeer):
                     policy_version=version,
                     sampler_peer_id=self.peer_id,
                     sampled_at=time.time(),
+                    sampling_seed=outs[0].seed if outs else "",
                     sampling=self.sampling,
                 )
             )

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
 import math
 import random
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,32 +34,12 @@ from echo_p2p.guard.sampling_check import (
 )
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.config import DerivedSettings, GRPOConfig
+from echo_p2p.train.draw_check import DrawCheck, Replay
+from echo_p2p.train.forward import forward_logits, rounded_weights
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
 from echo_p2p.train.memory import memory_token_limit
 from echo_p2p.train.past_weights import PastWeights
 from echo_p2p.train.scored import ScoredGroup
-
-
-def _forward_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int | None = None
-) -> torch.Tensor:
-    """Logits of the last ``keep`` positions when the model can compute only those, else (or with ``keep``
-    None) of all positions."""
-    kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-    if hasattr(getattr(model, "config", None), "use_cache"):
-        kwargs["use_cache"] = False  # a transformers model: no KV cache in a training forward
-    if keep is not None and keep < input_ids.shape[1] and _takes_logits_to_keep(type(model)):
-        kwargs["logits_to_keep"] = keep
-    out = model(input_ids, **kwargs)
-    return out.logits if hasattr(out, "logits") else out
-
-
-@functools.cache
-def _takes_logits_to_keep(model_type: type) -> bool:
-    try:
-        return "logits_to_keep" in inspect.signature(model_type.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _positions_to_keep(mb: Batch) -> int:
@@ -73,29 +51,6 @@ def _positions_to_keep(mb: Batch) -> int:
         return 1
     first = int(mb.completion_mask[has_completion].argmax(dim=1).min())
     return width - first + 1
-
-
-_PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@contextlib.contextmanager
-def rounded_weights(model: torch.nn.Module, precision: str) -> Iterator[None]:
-    """While open, ``model``'s float parameters hold their values rounded to ``precision`` ('fp32': left
-    as they are; 'bf16' / 'fp16'), in their own dtype; the master values are put back on exit, gradients are
-    left as computed (straight through)."""
-    dtype = _PRECISIONS[precision]
-    masters: list[tuple[torch.Tensor, torch.Tensor]] = []
-    try:
-        with torch.no_grad():
-            for p in model.parameters() if dtype is not None else ():
-                if p.is_floating_point() and p.dtype != dtype:
-                    masters.append((p, p.detach().clone()))
-                    p.copy_(p.to(dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for p, master in masters:
-                p.copy_(master)
 
 
 class Learner:
@@ -147,6 +102,15 @@ class Learner:
             if self.sampling_check is not None
             else None
         )
+        #: replays seeded groups' draws (``train.draw_check``); None when the check is off
+        self.draws = (
+            DrawCheck(self.sampling_check, self.derived)
+            if self.sampling_check is not None and self.sampling_check.seed_check_share > 0
+            else None
+        )
+        #: per group of the last ``compute_gradients``: the replay of its seeded draws (``Replay.missed``: its
+        #: completions that are not the draws of its seed; None: none replayed)
+        self.last_group_draw_misses: list[Replay | None] = []
 
     @staticmethod
     def token_limit(model: torch.nn.Module, config: GRPOConfig) -> int | None:
@@ -220,16 +184,22 @@ class Learner:
         if self.past is not None:
             self.past.record(current_version)
         repeats = self._repeat_evidence(groups, gap_allowance, current_version)
+        draw_misses = self._draw_misses(groups, current_version)
         bound = math.log(self.sampling_check.duplicate_exclude_e) if self.sampling_check is not None else 0.0
-        # groups whose completions repeat far more than samples would: left out whole (their advantages
-        # were normalised with the repeats in)
-        dropped_groups = torch.tensor([r is not None and r >= bound for r in repeats])
+        # groups whose completions repeat far more than samples would, or one of which is not the draw of its
+        # seed: left out whole (their advantages were normalised with those completions in)
+        repeat_groups = torch.tensor([r is not None and r >= bound for r in repeats], dtype=torch.bool)
+        undrawn_groups = (
+            torch.tensor([bool(m and m.missed) for m in draw_misses], dtype=torch.bool) & ~repeat_groups
+        )
+        dropped_groups = repeat_groups | undrawn_groups
         repeated = 0  # completions left out of the loss with their group for its repeats
+        not_drawn = 0  # completions left out with their group for a completion that is not its seed's draw
         with self.policy_weights():
             for mb in micro:
                 mb = mb.to(device)
                 keep = _positions_to_keep(mb)
-                logits = _forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
+                logits = forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
                 logp = token_logprobs(logits, mb.input_ids, run.temperature, run.top_k, run.top_p)
                 scores = self._score_samples(logits, mb)
                 del logits
@@ -243,14 +213,17 @@ class Learner:
                     completion_mask, dropped = self._exclude_unsampled(completion_mask, mb, scores, allowance)
                     not_sampled += dropped
                 if bool(dropped_groups.any()):
-                    gone = dropped_groups[mb.group_index.cpu()].to(completion_mask.device)
-                    repeated += int((gone & (completion_mask.sum(1) > 0)).sum())
+                    rows = mb.group_index.cpu()
+                    live = (completion_mask.sum(1) > 0).cpu()
+                    repeated += int((repeat_groups[rows] & live).sum())
+                    not_drawn += int((undrawn_groups[rows] & live).sum())
+                    gone = dropped_groups[rows].to(completion_mask.device)
                     completion_mask = completion_mask * (~gone).to(completion_mask.dtype).unsqueeze(1)
                 proximal = self._proximal(logp, mb, current_version)
                 ref_logp = None
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref_logits = _forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
+                        ref_logits = forward_logits(self.ref_model, mb.input_ids, mb.attention_mask, keep)
                         ref_logp = token_logprobs(
                             ref_logits, mb.input_ids, run.temperature, run.top_k, run.top_p
                         )
@@ -306,9 +279,11 @@ class Learner:
             excluded_sequences=float(excluded),
             excluded_not_sampled=float(not_sampled),
             excluded_repeated=float(repeated),
+            excluded_not_drawn=float(not_drawn),
         )
         self.last_sample_scores = group_scores if self.sampling_check is not None else []
         self.last_group_repeats = repeats
+        self.last_group_draw_misses = draw_misses
         self.last_group_gaps = [
             g / max(n, 1.0) for g, n in (gaps.get(i, (0.0, 0.0)) for i in range(len(groups)))
         ]
@@ -347,7 +322,7 @@ class Learner:
                 batch, self.config.micro_batch_size, self.max_tokens_per_micro_batch
             ):
                 mb = mb.to(self.device)
-                logits = _forward_logits(model, mb.input_ids, mb.attention_mask, _positions_to_keep(mb))
+                logits = forward_logits(model, mb.input_ids, mb.attention_mask, _positions_to_keep(mb))
                 scores = completion_scores(
                     logits, mb.input_ids, mb.completion_mask, self.derived.temperature, self._pit_rng
                 )
@@ -414,6 +389,19 @@ class Learner:
             )
         return out
 
+    def _draw_misses(self, groups: Sequence[ScoredGroup], current_version: int | None) -> list[Replay | None]:
+        """Per group, the replay of its picked completions' seeded draws (``train.draw_check``), under
+        the weights of the version it claims: kept ones, or the policy's own for the version being trained."""
+        if self.draws is None:
+            return [None] * len(groups)
+
+        def model_at(version: int) -> torch.nn.Module | None:
+            if self.past is not None and version in self.past:
+                return self.past.model_at(version)
+            return self.model if current_version is None or version == current_version else None
+
+        return self.draws.check(groups, model_at)
+
     def _sequence_logprobs(
         self,
         groups: Sequence[ScoredGroup],
@@ -439,7 +427,7 @@ class Learner:
                 completion[row, len(p) : len(p) + len(c)] = 1
             with torch.no_grad(), rounded_weights(model, run.policy_precision):
                 input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-                logits = _forward_logits(model, input_ids, mask)
+                logits = forward_logits(model, input_ids, mask)
                 logp = token_logprobs(logits, input_ids, run.temperature, run.top_k, run.top_p)
                 del logits
             out += (logp.float().cpu() * completion).sum(1).tolist()
@@ -530,7 +518,7 @@ class Learner:
         if tokens <= 0:
             return None
         with torch.no_grad(), self.policy_weights():
-            logits = _forward_logits(self.model, input_ids, attention_mask, keep)
+            logits = forward_logits(self.model, input_ids, attention_mask, keep)
             after = token_logprobs(
                 logits, input_ids, self.derived.temperature, self.derived.top_k, self.derived.top_p
             )

@@ -50,8 +50,8 @@ def test_a_live_run_exports_its_newest_trusted_version_exactly_as_its_trainer_ho
     from echo_p2p.ml.models import build_tiny_policy
     from echo_p2p.net.identity import load_or_create_identity
     from echo_p2p.train.checkpoint import CheckpointManager
+    from echo_p2p.train.forward import rounded_weights
     from echo_p2p.train.grpo import token_logprobs
-    from echo_p2p.train.learner import rounded_weights
 
     metrics, checkpoints = tmp_path / "metrics", tmp_path / "ckpt"
     owner = load_or_create_identity(str(tmp_path / "owner.id"))

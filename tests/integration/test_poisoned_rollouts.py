@@ -9,9 +9,11 @@ after three, its pushes are refused unread and its buffered groups dropped, and 
 
 The editor is a real inference peer of the run that appends a marker to each right answer and sends the
 edited completions with their true rewards and true log-probs (``benchmarks/attacker.py --attack edit``):
-no value check can refuse them. Before: never struck. Now: the sampling check (``guard.sampling_check``)
-finds that its completions are not samples of the policy (its tokens in the tail, or its groups repeating
-an improbable completion), strikes it (``not_sampled``) and bans it; the
+no value check can refuse them. Before: never struck. Now: the trainer replays its groups' seeded draws
+(``train.draw_check``) and finds edited completions that are not the draws of their seed, or the sampling
+check (``guard.sampling_check``) finds that its completions are not samples of the policy (its tokens in
+the tail, or its groups repeating an improbable completion); either strikes it (``not_sampled``) and bans
+it; the
 honest inference peers are never banned, though the policy its groups shook strikes them too (first
 tries of this test banned both honest samplers: ``guard.sender_guard.judge_samples``).
 
@@ -163,12 +165,18 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     assert senders and senders[-1]["banned"] == 2 and senders[-1]["groups_over_gap"] >= 3, senders[-1:]
     # the editor: struck for completions that are not samples (its values are true: no other check can
     # fire on it) and banned, as the trainer logs it; no honest inference peer was banned
-    # (the tail test's ban needs 3 strikes, the duplicate test's 2 alarms: ``duplicate_ban_alarms``)
+    # (the tail test's ban needs 3 strikes, the duplicate test's 2 alarms: ``duplicate_ban_alarms``; the
+    # replay of its seeded draws 2 groups whose edited completions are not their seed's draws:
+    # ``seed_ban_alarms``)
     assert senders[-1].get("not_sampled_strikes", 0) >= 2, senders[-1]
     edits = json.loads(edit_report.read_text())["seen"]
     assert edits["edited"] >= 1, edits
     trainer_log = (workdir / "logs" / "trainer-0.log").read_text()
-    why = ("its completions are not samples of the policy", "its groups repeat completions the policy finds")
+    why = (
+        "its completions are not samples of the policy",
+        "its groups repeat completions the policy finds",
+        "its completions are not the draws of the seeds they carry",
+    )
     assert any(f"banned {edits['peer_id']}: {reason}" in trainer_log for reason in why), trainer_log[-3000:]
     honest = [p.stem.removeprefix("inference-") for p in metrics.glob("inference-*.jsonl")]
     assert len(honest) == 2 and not [p for p in honest if f"banned {p}" in trainer_log], honest

@@ -58,6 +58,7 @@ def test_an_inference_peer_on_vllm_follows_every_version_and_its_logprobs_are_th
     metrics = tmp_path / "metrics"
     common = ["--mode", "sync", "--top-p", "0.9", "--top-k", "20", "--metrics-dir", str(metrics)]
     common += ["--model-path", str(model), "--threads", "1", "--heartbeat-period", "1"]
+    common += ["--no-seeded-sampling"]  # vLLM does not draw from a seed a trainer replays
     inference_id = load_or_create_identity(str(tmp_path / "inference.id"))
     inference = procs.peer(
         "inference", RUN, maddr, "--config", str(config), "--identity-path", inference_id.path,

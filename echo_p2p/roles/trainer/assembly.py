@@ -70,6 +70,7 @@ def build_intake(
             use_chat_template=run.model.use_chat_template,
             sampling=run.sampling(),
             precisions=run.sampler_precisions,
+            require_seed=run.seeded_sampling,
         ),
     )
     namespace = rollout_namespace(keys)

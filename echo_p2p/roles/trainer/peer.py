@@ -286,6 +286,7 @@ class TrainerPeer(BasePeer):
             allowances,
             self.learner.last_group_repeats,
             exact=lambda index: self.learner.exact_scores(batch[index], version_before),
+            draw_misses=self.learner.last_group_draw_misses,
         )
         if result.skipped:
             self.intake.discarded(batch)
@@ -318,6 +319,7 @@ class TrainerPeer(BasePeer):
             "logprob_gap_max": round(float(stats.get("logprob_gap_max", 0.0)), 4),
             "excluded_not_sampled": int(stats.get("excluded_not_sampled", 0)),  # guard.sampling_check
             "excluded_repeated": int(stats.get("excluded_repeated", 0)),  # its duplicate test
+            "excluded_not_drawn": int(stats.get("excluded_not_drawn", 0)),  # replayed seeded draws
             "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "policy_drift": None if drift is None else round(drift, 4),
             **step_figures(stats, staleness, step_s),
@@ -482,6 +484,14 @@ class TrainerPeer(BasePeer):
             out["bytes_uploaded_per_version"] = round(uploaded / max(1, out["versions_published"]))
         if self.guard is not None:
             out["senders"] = self.guard.stats()
+        draws = getattr(getattr(self, "learner", None), "draws", None)
+        if draws is not None:  # replays of seeded draws (train.draw_check)
+            out["draws"] = {
+                "replayed": draws.replayed,
+                "missed": draws.missed,
+                "unchecked": draws.unchecked,
+                "seconds": round(draws.seconds, 3),
+            }
         if self.intake is not None:  # the buffer, pacing, refusals and journal (async), refusals (sync)
             out.update(self.intake.figures())
         return out

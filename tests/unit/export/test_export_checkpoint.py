@@ -19,8 +19,8 @@ from echo_p2p.export.policy_files import policy_files, policy_meta
 from echo_p2p.ml.models import ModelSpec, build_tiny_policy
 from echo_p2p.ml.tokenizer import encode_prompts
 from echo_p2p.train.checkpoint import CheckpointManager
+from echo_p2p.train.forward import rounded_weights
 from echo_p2p.train.grpo import token_logprobs
-from echo_p2p.train.learner import rounded_weights
 
 REPO = Path(__file__).resolve().parents[3]
 TEXTS = ["3a=aaa", "5c=ccccc", "1e=e", "6b=bbbbbb", "2d=dd"]

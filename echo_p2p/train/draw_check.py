@@ -1,0 +1,195 @@
+"""Replay of seeded draws: is each completion the draw that its group's seed makes? (``ml.seeded``)
+
+A group drawn from a seed fixes every token of its completions: token ``t`` of completion ``k`` is where
+the uniform ``uniforms(seed, k)[t]`` falls in the sampling distribution's CDF. A trainer replays that for the
+completions it picks: one forward pass without gradient under the weights of the version the group claims
+(the policy itself, or the past weights the learner kept: ``train.past_weights``), the run's temperature,
+top-k and top-p (``ml.engine.process_logits``, the sampler's own maths), and each token's interval checked
+against its uniform with ``seed_tolerance`` of slack (``ml.seeded.interval_distance``). A completion with a
+token outside is not a sample of that seed: an edit, whatever its log-probs say. Its group is left out of
+the loss whole and its sender struck (``guard.sender_guard``).
+
+What is replayed: every completion of a sender's first ``seed_probation`` groups, then each completion with
+probability ``seed_check_share`` (a forward pass costs about a third of a training step's per completion,
+so checking all of them would cost the trainer a quarter of its speed). An editor present from the run's first
+step is replayed in full; one that starts later edits each group's right answers, and each edited completion
+is picked with that probability. A group whose version's weights are not at hand (older than the kept
+versions, or a model too large to keep any) is not replayed (``unchecked``).
+
+Owned here: ``DrawCheck``. Called by ``train.learner`` before a batch's loss. Must not import hivemind.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from echo_p2p.ml.engine import SamplingParams, process_logits
+from echo_p2p.ml.seeded import interval_distance, uniforms
+from echo_p2p.train.forward import forward_logits, rounded_weights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from echo_p2p.guard.sampling_check import SamplingCheckConfig
+    from echo_p2p.train.config import DerivedSettings
+    from echo_p2p.train.scored import ScoredGroup
+
+#: The model holding a policy version's weights, or None when they are not at hand
+ModelAt = Callable[[int], "torch.nn.Module | None"]
+
+#: Logit elements (rows x positions x vocabulary) computed at once
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the replay of one group's picked completions found."""
+
+    missed: int  # completions with a token whose uniform lies outside its interval by more than ``tolerance``
+    worst: float  # the farthest any of their tokens' uniforms lay outside its interval (probability mass)
+    tolerance: (
+        float  # the slack its sampler's claimed precision gets (``SamplingCheckConfig.seed_tolerance``)
+    )
+
+    @property
+    def gross(self) -> bool:
+        """Missed by more than ``GROSS_FACTOR`` times the tolerance: no precision explains it."""
+        return self.missed > 0 and self.worst > GROSS_FACTOR * self.tolerance
+
+
+#: A miss beyond this many times its tolerance is proof (honest samplers' worst distance stayed below half
+#: their tolerance in benchmarks/sampling_check.py): its sender is banned at once
+GROSS_FACTOR = 2.0
+
+
+class DrawCheck:
+    """Picks the completions to replay and replays them (see the module doc)."""
+
+    def __init__(
+        self, config: SamplingCheckConfig, derived: DerivedSettings, seed: int | None = None
+    ) -> None:
+        self.config = config
+        self.derived = derived
+        self.params = SamplingParams(
+            temperature=derived.temperature, top_p=derived.top_p, top_k=derived.top_k, max_new_tokens=1
+        )
+        self._rng = random.Random(secrets.randbits(64) if seed is None else seed)
+        self._groups_seen: OrderedDict[str, int] = OrderedDict()  # sender -> groups picked from so far
+        self.replayed = 0  # completions replayed
+        self.missed = 0  # of them, not the draws of their seed
+        self.unchecked = 0  # seeded groups whose version's weights were not at hand
+        self.seconds = 0.0  # spent replaying (what the check costs the trainer)
+        #: the farthest any replayed token's uniform fell outside its interval (calibration of seed_tolerance
+        #: on honest samplers; an edit's is large)
+        self.largest_distance = 0.0
+
+    def pick(self, groups: Sequence[ScoredGroup]) -> list[list[int]]:
+        """Per group, the indices of the completions to replay (none for a group without a seed)."""
+        out: list[list[int]] = []
+        for scored in groups:
+            group = scored.group
+            if not group.sampling_seed or self.config.seed_check_share <= 0:
+                out.append([])
+                continue
+            sender = group.sampler_peer_id
+            seen = self._groups_seen.pop(sender, 0)
+            self._groups_seen[sender] = seen + 1
+            while len(self._groups_seen) > self.config.max_tracked:
+                self._groups_seen.popitem(last=False)
+            every = range(len(group.completions))
+            if seen < self.config.seed_probation:
+                out.append(list(every))
+            else:
+                out.append([k for k in every if self._rng.random() < self.config.seed_check_share])
+        return out
+
+    def tolerance(self, scored: ScoredGroup) -> float:
+        """The slack of a group's replay: the one its sampler's claimed precision needs."""
+        sampling = scored.group.sampling
+        precision = sampling.precision if sampling is not None else ""
+        return self.config.seed_tolerance.get(precision, self.config.seed_tolerance_other)
+
+    def check(self, groups: Sequence[ScoredGroup], model_at: ModelAt) -> list[Replay | None]:
+        """``misses`` of the completions ``pick`` chooses."""
+        return self.misses(groups, self.pick(groups), model_at)
+
+    def misses(
+        self, groups: Sequence[ScoredGroup], picks: list[list[int]], model_at: ModelAt
+    ) -> list[Replay | None]:
+        """Per group, what the replay of its picked completions found (``Replay.missed``: those that are not the
+        draws of its seed); None when nothing was replayed (no seed, none picked, or its version's weights not
+        at hand)."""
+        started = time.perf_counter()
+        out: list[Replay | None] = [None] * len(groups)
+        by_version: dict[int, list[tuple[int, int]]] = {}
+        for index, (scored, picked) in enumerate(zip(groups, picks, strict=True)):
+            for k in picked if scored.group.sampling_seed else ():
+                by_version.setdefault(scored.policy_version, []).append((index, k))
+        for version, rows in sorted(by_version.items()):
+            model = model_at(version)
+            if model is None:
+                self.unchecked += len({index for index, _ in rows})
+                continue
+            for (index, _), worst in zip(rows, self._replay(groups, rows, model), strict=True):
+                tolerance = self.tolerance(groups[index])
+                before = out[index] or Replay(0, 0.0, tolerance)
+                missed = worst > tolerance
+                self.replayed += 1
+                self.missed += missed
+                out[index] = Replay(before.missed + missed, max(before.worst, worst), tolerance)
+        self.seconds += time.perf_counter() - started
+        return out
+
+    def _replay(
+        self, groups: Sequence[ScoredGroup], rows: list[tuple[int, int]], model: torch.nn.Module
+    ) -> list[float]:
+        """For each (group index, completion index) in ``rows``: the farthest its tokens' uniforms lie outside
+        their intervals (0: every token is the draw of its uniform)."""
+        pad = self.derived.pad_token_id
+        device = next(model.parameters()).device
+        vocab = (
+            int(model.get_input_embeddings().weight.shape[0]) if hasattr(model, "get_input_embeddings") else 1
+        )
+        seqs = [
+            (list(groups[i].group.prompt_token_ids), list(groups[i].group.completions[k].token_ids))
+            for i, k in rows
+        ]
+        longest = max(len(p) + len(c) for p, c in seqs)
+        # rows per forward: bounded by the logits they make
+        per = max(1, _CHUNK_ELEMENTS // (longest * vocab))
+        out: list[float] = []
+        for start in range(0, len(rows), per):
+            part, chunk = rows[start : start + per], seqs[start : start + per]
+            width = max(len(p) + len(c) for p, c in chunk)
+            keep = width - min(len(p) for p, _ in chunk) + 1
+            input_ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in chunk])
+            mask = torch.tensor([[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for p, c in chunk])
+            rows_at: list[int] = []  # per completion token: its row in the chunk, its logit position
+            positions: list[int] = []
+            targets: list[int] = []
+            draws: list[float] = []
+            for row, ((index, k), (prompt, completion)) in enumerate(zip(part, chunk, strict=True)):
+                rows_at += [row] * len(completion)
+                positions += range(len(prompt) - 1, len(prompt) + len(completion) - 1)
+                targets += completion
+                draws += uniforms(groups[index].group.sampling_seed, k, len(completion))
+            with torch.no_grad(), rounded_weights(model, self.derived.policy_precision):
+                logits = forward_logits(model, input_ids.to(device), mask.to(device), keep)
+                offset = width - logits.shape[1]  # the position logits[:, 0] is of
+                rows_t = torch.tensor(rows_at, dtype=torch.long, device=device)
+                at = torch.tensor(positions, dtype=torch.long, device=device) - offset
+                logp = process_logits(logits[rows_t, at], self.params)
+                del logits
+                distance = interval_distance(logp, torch.tensor(targets, device=device), torch.tensor(draws))
+                lengths = [len(completion) for _, completion in chunk]
+                worst = [float(d.max()) if len(d) else 0.0 for d in distance.cpu().split(lengths)]
+            if len(distance):
+                self.largest_distance = max(self.largest_distance, float(distance.max()))
+            out += worst
+        return out
