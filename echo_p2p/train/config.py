@@ -188,6 +188,10 @@ class DerivedSettings:
     #: sampled, are left out of the loss (a sampler that lies about them); None: all are used. Trainer
     #: peers take ``trainer.reputation.exclude_logprob_gap`` (docs/security.md).
     max_logprob_gap: float | None = None
+    #: The samplers' weights are the trainer's only up to its lossy 8-bit encodings (``trainer.encoding``
+    #: int8, int8-delta, or auto, whose versions may be int8 deltas): a replay of their seeded draws gets the
+    #: 8-bit tolerance at least, whatever precision they claim (``train.draw_check``).
+    lossy_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.pad_token_id < 0:

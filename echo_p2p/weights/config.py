@@ -60,6 +60,12 @@ class EncodingConfig(BaseModel):
     )
 
     @property
+    def lossless(self) -> bool:
+        """Whether receivers hold exactly the weights the trainer's loss sees (fp32, or rounded to the 16-bit
+        dtype they hold); False where 8-bit encodings (int8, int8-delta, auto's int8 deltas) approximate them."""
+        return self.encoding in ("fp32", "bf16", "fp16", "patch")
+
+    @property
     def receiver_dtype(self) -> str | None:
         """The 16-bit dtype receivers hold ('bf16' / 'fp16'), or None when they hold fp32 (fp32, int8,
         int8-delta)."""

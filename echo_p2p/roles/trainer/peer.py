@@ -48,6 +48,7 @@ def trainer_derived_settings(config: Any, tokenizer: Any) -> DerivedSettings:
         pad_token_id=tokenizer.pad_token_id or 0,
         policy_precision=section.encoding.receiver_dtype or "fp32",
         max_logprob_gap=section.reputation.exclude_logprob_gap,
+        lossy_weights=not section.encoding.lossless,
     )
 
 

@@ -22,6 +22,7 @@ from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.draw_check import DrawCheck, Replay
 from echo_p2p.train.learner import Learner
 from echo_p2p.train.scored import ScoredGroup
+from echo_p2p.weights.config import EncodingConfig
 
 G = 8
 
@@ -92,6 +93,11 @@ def test_honest_draws_replay_clean_and_edits_moves_and_other_versions_do_not(pol
     bf16 = honest[3].group.sampling.model_copy(update={"precision": "bfloat16"})
     claimed = ScoredGroup(honest[3].group.model_copy(update={"sampling": bf16}), honest[3].rewards)
     assert check.tolerance(claimed) == 0.1 and check.tolerance(unseeded) == 0.01
+    # samplers that got the weights through a lossy 8-bit encoding (the default ``auto`` may send int8
+    # deltas) get the 8-bit tolerance whatever precision they claim
+    assert not EncodingConfig().lossless and EncodingConfig(encoding="patch").lossless
+    lossy = DrawCheck(SamplingCheckConfig(), DerivedSettings(lossy_weights=True))
+    assert lossy.tolerance(unseeded) == 0.1 and lossy.tolerance(claimed) == 0.1
     assert check.misses(honest[:2], picks[:2], lambda v: None) == [None, None] and check.unchecked == 2
 
 
