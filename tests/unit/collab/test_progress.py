@@ -90,3 +90,26 @@ def test_a_lone_trainer_stores_its_progress_once_per_interval_and_at_every_repor
         t0 = time.monotonic()
         tracker.shutdown(timeout=5)
         assert time.monotonic() - t0 < 2 and not tracker.is_alive()
+
+
+def test_a_progress_read_counts_this_trainers_own_samples_from_its_local_progress_not_a_stale_record() -> (
+    None
+):
+    """A lone trainer's stored record lags its reports (paced stores): a read between two stores used to count
+    the stored samples, so an epoch's samples reported since were lost and the epoch not reached in time."""
+    dht = FakeDHT()
+    tracker = PacedProgressTracker(
+        dht=dht, prefix="run", target_batch_size=4, lone_interval=3600.0, min_refresh_period=0.05,
+        max_refresh_period=0.1, default_refresh_period=0.05, metadata_expiration=30.0, start=False,
+    )  # fmt: skip
+    stale = LocalTrainingProgress(
+        peer_id=dht.peer_id.to_bytes(), epoch=1, samples_accumulated=0, samples_per_second=1.0,
+        time=get_dht_time(), client_mode=False,
+    )  # fmt: skip
+    tracker.local_progress = tracker._get_local_progress(1, 3)  # three samples reported since the store
+    records = {b"my-key": ValueWithExpiration(stale.dict(), get_dht_time() + 30), **_other_trainer()}
+    progress = tracker._parse_swarm_progress_data(records)
+    assert progress.epoch == 1 and progress.samples_accumulated == 3 and progress.num_peers == 2
+    # hivemind's own reading counts the stale record: none of the three
+    plain = super(PacedProgressTracker, tracker)._parse_swarm_progress_data(records)
+    assert plain.samples_accumulated == 0
