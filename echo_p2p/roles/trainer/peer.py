@@ -369,11 +369,12 @@ class TrainerPeer(BasePeer):
 
     # ---- publishing and checkpoints ---------------------------------------------------------------------
     def _choose_publisher(self) -> bool:
-        """Whether this trainer publishes (``elect_publisher`` over the directory's trainers)."""
+        """Whether this trainer publishes (``elect_publisher`` over the directory's trainers); a directory read
+        that fails says nothing about the others: the role stays as it is."""
         try:
             entries = list(self.directory.trainers())
         except Exception:
-            entries = []
+            return self.is_publisher
         return elect_publisher(
             self.peer_id,
             [e.record for e in entries],
@@ -393,7 +394,12 @@ class TrainerPeer(BasePeer):
         self.intake.on_heartbeat()  # async: room for the pushes of the senders it sees
 
     def _update_publisher_role(self, log: bool = False) -> None:
-        """Re-elect the publisher from the directory (on the heartbeat, not on every training step)."""
+        """Re-elect the publisher from the directory (on the heartbeat, not on every training step); not while
+        stopping: the DHT may already be down, and a read that finds no other trainer then made a trainer that
+        stood by take the role in its last lines (``test_training_run``'s joining-trainer test saw two
+        publishers at the end)."""
+        if self.stop_event.is_set():
+            return
         was = self.is_publisher
         self.is_publisher = self._choose_publisher()
         if self.is_publisher != was or log:

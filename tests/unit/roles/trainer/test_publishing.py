@@ -104,3 +104,31 @@ def test_a_trainer_publishes_only_while_it_is_the_elected_publisher(tmp_path):
     peer._maybe_publish()
     assert peer.publishing.publisher.published == [4]
     assert peer._counters()["versions_published"] == 1
+
+
+def test_a_stopping_trainer_or_a_failed_directory_read_never_changes_the_publisher_role(tmp_path):
+    """At a stop the DHT may be gone: a read that finds no other trainer must not make a trainer that stood by
+    the publisher in its last lines (two publishers at the end of a two-trainer run)."""
+
+    class Directory:
+        def __init__(self, entries=None, error=None):
+            self.entries, self.error = entries or [], error
+
+        def trainers(self):
+            if self.error:
+                raise self.error
+            return self.entries
+
+    peer = unstarted_peer(TrainerPeer, tmp_path)
+    peer.is_publisher = False
+    peer.directory = Directory()  # nobody else found: a running trainer takes the role
+    peer._update_publisher_role()
+    assert peer.is_publisher
+    peer.is_publisher = False
+    peer.directory = Directory(error=TimeoutError("the DHT is down"))
+    peer._update_publisher_role()
+    assert not peer.is_publisher  # a failed read keeps the role
+    peer.directory = Directory()
+    peer.stop_event.set()
+    peer._update_publisher_role()
+    assert not peer.is_publisher  # stopping: no change
