@@ -396,9 +396,9 @@ class Learner:
             return [None] * len(groups)
 
         def model_at(version: int) -> torch.nn.Module | None:
-            if self.past is not None and version in self.past:
-                return self.past.model_at(version)
-            return self.model if current_version is None or version == current_version else None
+            if current_version is None or version == current_version:
+                return self.model  # the policy itself: no copy of the kept weights into the scorer
+            return self.past.model_at(version) if self.past is not None and version in self.past else None
 
         return self.draws.check(groups, model_at)
 
