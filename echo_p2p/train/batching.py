@@ -155,3 +155,15 @@ def split_micro_batches(
         width = new_width
     bounds.append((start, n))
     return [batch.select(slice(a, b)) for a, b in bounds]
+
+
+def groups_in_one_micro_batch(micro: Sequence[Batch]) -> set[int]:
+    """The groups (``group_index``) whose rows all lie in one of ``micro``: a check that leaves a group out
+    of the loss whole can decide from that micro-batch's own forward pass, before its backward."""
+    where: dict[int, int] = {}
+    split: set[int] = set()
+    for m, mb in enumerate(micro):
+        for g in set(mb.group_index.tolist()):
+            if where.setdefault(g, m) != m:
+                split.add(g)
+    return set(where) - split

@@ -2,21 +2,25 @@
 
 A group drawn from a seed fixes every token of its completions: token ``t`` of completion ``k`` is where
 the uniform ``uniforms(seed, k)[t]`` falls in the sampling distribution's CDF. A trainer replays that for the
-completions it picks: one forward pass without gradient under the weights of the version the group claims
-(the policy itself, or the past weights the learner kept: ``train.past_weights``), the run's temperature,
-top-k and top-p (``ml.engine.process_logits``, the sampler's own maths), and each token's interval checked
-against its uniform with ``seed_tolerance`` of slack (``ml.seeded.interval_distance``). A completion with a
-token outside is not a sample of that seed: an edit, whatever its log-probs say. Its group is left out of
-the loss whole and its sender struck (``guard.sender_guard``).
+completions it picks: the logits of the version the group claims at each completion token, the run's
+temperature, top-k and top-p (``ml.engine.process_logits``, the sampler's own maths), and each token's interval
+checked against its uniform with ``seed_tolerance`` of slack (``ml.seeded.interval_distance``). A completion
+with a token outside is not a sample of that seed: an edit, whatever its log-probs say. Its group is left out
+of the loss whole and its sender struck (``guard.sender_guard``).
+
+Where the logits come from: a group at the version being trained is replayed from the loss's own forward pass
+(``BatchReplay.from_logits``: the same weights, rounded to the policy's precision, at no forward of its own);
+a group at an older version, or one whose rows the learner splits between micro-batches, by a forward pass
+without gradient under the weights the learner kept (``train.past_weights``) or the policy's, before the loss.
 
 What is replayed: every completion of a sender's first ``seed_probation`` groups, then each completion with
-probability ``seed_check_share`` (a forward pass costs about a third of a training step's per completion,
-so checking all of them would cost the trainer a quarter of its speed). An editor present from the run's first
-step is replayed in full; one that starts later edits each group's right answers, and each edited completion
-is picked with that probability. A group whose version's weights are not at hand (older than the kept
-versions, or a model too large to keep any) is not replayed (``unchecked``).
+probability ``seed_check_share`` (a forward pass of its own costs about a third of a training step's per
+completion, so checking all of the older ones would cost the trainer a quarter of its speed). An editor present
+from the run's first step is replayed in full; one that starts later edits each group's right answers, and each
+edited completion is picked with that probability. A group whose version's weights are not at hand (older than
+the kept versions, or a model too large to keep any) is not replayed (``unchecked``).
 
-Owned here: ``DrawCheck``. Called by ``train.learner`` before a batch's loss. Must not import hivemind.
+Owned here: ``DrawCheck``, ``BatchReplay``. Called by ``train.learner`` around a batch's loss. Must not import hivemind.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ import torch
 
 from echo_p2p.ml.engine import SamplingParams, process_logits
 from echo_p2p.ml.seeded import interval_distance, uniforms
+from echo_p2p.train.batching import groups_in_one_micro_batch
 from echo_p2p.train.forward import forward_logits, rounded_weights
 
 if TYPE_CHECKING:  # pragma: no cover
     from echo_p2p.guard.sampling_check import SamplingCheckConfig
+    from echo_p2p.train.batching import Batch
     from echo_p2p.train.config import DerivedSettings
     from echo_p2p.train.scored import ScoredGroup
 
@@ -119,10 +125,6 @@ class DrawCheck:
         tolerance = table.get(precision, other)
         return max(tolerance, table.get("8bit", other)) if self.derived.lossy_weights else tolerance
 
-    def check(self, groups: Sequence[ScoredGroup], model_at: ModelAt) -> list[Replay | None]:
-        """``misses`` of the completions ``pick`` chooses."""
-        return self.misses(groups, self.pick(groups), model_at)
-
     def misses(
         self, groups: Sequence[ScoredGroup], picks: list[list[int]], model_at: ModelAt
     ) -> list[Replay | None]:
@@ -141,32 +143,57 @@ class DrawCheck:
                 self.unchecked += len({index for index, _ in rows})
                 continue
             for (index, _), worst in zip(rows, self._replay(groups, rows, model), strict=True):
-                tolerance = self.tolerance(groups[index])
-                before = out[index] or Replay(0, 0.0, tolerance)
-                missed = worst > tolerance
-                self.replayed += 1
-                self.missed += missed
-                out[index] = Replay(before.missed + missed, max(before.worst, worst), tolerance)
+                self._record(groups, out, index, worst)
         self.seconds += time.perf_counter() - started
         return out
+
+    def replay_logits(
+        self,
+        groups: Sequence[ScoredGroup],
+        rows: list[tuple[int, int]],
+        at: list[int],
+        logits: torch.Tensor,
+        width: int,
+        out: list[Replay | None],
+    ) -> None:
+        """Replay ``rows`` (group index, completion index) from the logits a forward pass under the weights of
+        their groups' version already made (the loss's own: no forward of its own): ``logits`` of the last
+        positions of a right-padded batch ``width`` columns wide, ``at[i]`` the batch row of ``rows[i]``. What
+        each group's replay found goes into ``out`` (as ``misses`` returns it)."""
+        if not rows:
+            return
+        started = time.perf_counter()
+        with torch.no_grad():
+            worst = self._worst(groups, rows, at, logits.detach(), width - logits.shape[1])
+        for (index, _), far in zip(rows, worst, strict=True):
+            self._record(groups, out, index, far)
+        self.seconds += time.perf_counter() - started
+
+    def _record(
+        self, groups: Sequence[ScoredGroup], out: list[Replay | None], index: int, worst: float
+    ) -> None:
+        """Count one replayed completion of group ``index`` whose tokens lay at most ``worst`` outside."""
+        tolerance = self.tolerance(groups[index])
+        before = out[index] or Replay(0, 0.0, tolerance)
+        missed = worst > tolerance
+        self.replayed += 1
+        self.missed += missed
+        out[index] = Replay(before.missed + missed, max(before.worst, worst), tolerance)
 
     def _replay(
         self, groups: Sequence[ScoredGroup], rows: list[tuple[int, int]], model: torch.nn.Module
     ) -> list[float]:
         """For each (group index, completion index) in ``rows``: the farthest its tokens' uniforms lie outside
-        their intervals (0: every token is the draw of its uniform)."""
+        their intervals (0: every token is the draw of its uniform), from forward passes of ``model``."""
         pad = self.derived.pad_token_id
         device = next(model.parameters()).device
-        vocab = (
-            int(model.get_input_embeddings().weight.shape[0]) if hasattr(model, "get_input_embeddings") else 1
-        )
         seqs = [
             (list(groups[i].group.prompt_token_ids), list(groups[i].group.completions[k].token_ids))
             for i, k in rows
         ]
         longest = max(len(p) + len(c) for p, c in seqs)
         # rows per forward: bounded by the logits they make
-        per = max(1, _CHUNK_ELEMENTS // (longest * vocab))
+        per = max(1, _CHUNK_ELEMENTS // (longest * _vocab(model)))
         out: list[float] = []
         for start in range(0, len(rows), per):
             part, chunk = rows[start : start + per], seqs[start : start + per]
@@ -174,26 +201,104 @@ class DrawCheck:
             keep = width - min(len(p) for p, _ in chunk) + 1
             input_ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in chunk])
             mask = torch.tensor([[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for p, c in chunk])
-            rows_at: list[int] = []  # per completion token: its row in the chunk, its logit position
-            positions: list[int] = []
-            targets: list[int] = []
-            draws: list[float] = []
-            for row, ((index, k), (prompt, completion)) in enumerate(zip(part, chunk, strict=True)):
-                rows_at += [row] * len(completion)
-                positions += range(len(prompt) - 1, len(prompt) + len(completion) - 1)
-                targets += completion
-                draws += uniforms(groups[index].group.sampling_seed, k, len(completion))
             with torch.no_grad(), rounded_weights(model, self.derived.policy_precision):
                 logits = forward_logits(model, input_ids.to(device), mask.to(device), keep)
-                offset = width - logits.shape[1]  # the position logits[:, 0] is of
-                rows_t = torch.tensor(rows_at, dtype=torch.long, device=device)
-                at = torch.tensor(positions, dtype=torch.long, device=device) - offset
-                logp = process_logits(logits[rows_t, at], self.params)
+                out += self._worst(groups, part, list(range(len(part))), logits, width - logits.shape[1])
                 del logits
-                distance = interval_distance(logp, torch.tensor(targets, device=device), torch.tensor(draws))
-                lengths = [len(completion) for _, completion in chunk]
-                worst = [float(d.max()) if len(d) else 0.0 for d in distance.cpu().split(lengths)]
-            if len(distance):
-                self.largest_distance = max(self.largest_distance, float(distance.max()))
-            out += worst
         return out
+
+    def _worst(
+        self,
+        groups: Sequence[ScoredGroup],
+        rows: list[tuple[int, int]],
+        at: list[int],
+        logits: torch.Tensor,
+        offset: int,
+    ) -> list[float]:
+        """Per (group index, completion index) in ``rows``, held in row ``at[i]`` of ``logits`` (right-padded
+        prompt + completion; ``logits[:, j]`` is position ``offset + j``): the farthest its tokens' uniforms
+        lie outside their intervals. The sampling distributions are made a bounded number of tokens at a time."""
+        device = logits.device
+        rows_at: list[int] = []  # per completion token: its row in the batch, its logit position
+        positions: list[int] = []
+        targets: list[int] = []
+        draws: list[float] = []
+        lengths: list[int] = []
+        for (index, k), row in zip(rows, at, strict=True):
+            group = groups[index].group
+            prompt, completion = len(group.prompt_token_ids), list(group.completions[k].token_ids)
+            rows_at += [row] * len(completion)
+            positions += range(prompt - 1 - offset, prompt + len(completion) - 1 - offset)
+            targets += completion
+            draws += uniforms(group.sampling_seed, k, len(completion))
+            lengths.append(len(completion))
+        per = max(1, _CHUNK_ELEMENTS // int(logits.shape[-1]))
+        parts: list[torch.Tensor] = []
+        for start in range(0, len(targets), per):
+            stop = start + per
+            rows_t = torch.tensor(rows_at[start:stop], dtype=torch.long, device=device)
+            at_t = torch.tensor(positions[start:stop], dtype=torch.long, device=device)
+            logp = process_logits(logits[rows_t, at_t], self.params)
+            parts.append(
+                interval_distance(
+                    logp, torch.tensor(targets[start:stop], device=device), torch.tensor(draws[start:stop])
+                ).cpu()
+            )
+            del logp
+        distance = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        if len(distance):
+            self.largest_distance = max(self.largest_distance, float(distance.max()))
+        return [float(d.max()) if len(d) else 0.0 for d in distance.split(lengths)]
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    """The model's vocabulary size (1 when it does not say: a bound on rows per forward only)."""
+    if hasattr(model, "get_input_embeddings"):
+        return int(model.get_input_embeddings().weight.shape[0])
+    return 1
+
+
+class BatchReplay:
+    """The replay of one batch's picked completions, made while the learner computes its loss.
+
+    A group at the version being trained whose rows all lie in one micro-batch is replayed from the logits of
+    that micro-batch's loss (``from_logits``, called for every micro-batch in order): the check costs it no
+    forward pass. The others (older versions, from the kept weights; a group split between micro-batches,
+    whose replay must be complete before the first part's backward, since it is left out of the loss whole)
+    are replayed ahead, at construction. ``misses``: per group, what its replay found so far."""
+
+    def __init__(
+        self,
+        check: DrawCheck,
+        groups: Sequence[ScoredGroup],
+        micro: Sequence[Batch],
+        current_version: int | None,
+        model_at: ModelAt,
+    ) -> None:
+        self.check, self.groups = check, groups
+        self.picks = check.pick(groups)
+        self.in_loss = {
+            g
+            for g in groups_in_one_micro_batch(micro)
+            if groups[g].group.sampling_seed
+            and (current_version is None or groups[g].policy_version == current_version)
+        }
+        self.starts = [0]  # each group's first row in the batch (rows: groups in order, then completions)
+        for scored in groups:
+            self.starts.append(self.starts[-1] + len(scored.group.completions))
+        ahead = [[] if g in self.in_loss else p for g, p in enumerate(self.picks)]
+        self.misses = check.misses(groups, ahead, model_at)
+        self._row0 = 0  # the batch row of the next micro-batch's first
+
+    def from_logits(self, mb: Batch, logits: torch.Tensor) -> bool:
+        """Replay the picked completions of ``mb`` (the next micro-batch) whose groups are replayed in the loss,
+        from its ``logits`` (those of the last positions); True when any was."""
+        row0, self._row0 = self._row0, self._row0 + mb.num_sequences
+        rows = [
+            (g, row0 + r - self.starts[g])
+            for r, g in enumerate(mb.group_index.tolist())
+            if g in self.in_loss and row0 + r - self.starts[g] in self.picks[g]
+        ]
+        at = [self.starts[g] + k - row0 for g, k in rows]
+        self.check.replay_logits(self.groups, rows, at, logits, int(mb.input_ids.shape[1]), self.misses)
+        return bool(rows)

@@ -29,16 +29,16 @@ from echo_p2p.guard.sampling_check import (
     CompletionScore,
     SamplingCheckConfig,
     completion_scores,
-    duplicate_log_e,
     p_values,
 )
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.config import DerivedSettings, GRPOConfig
-from echo_p2p.train.draw_check import DrawCheck, Replay
+from echo_p2p.train.draw_check import BatchReplay, DrawCheck, Replay
 from echo_p2p.train.forward import forward_logits, rounded_weights
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
 from echo_p2p.train.memory import memory_token_limit
 from echo_p2p.train.past_weights import PastWeights
+from echo_p2p.train.repeat_check import BatchRepeats
 from echo_p2p.train.scored import ScoredGroup
 
 
@@ -183,15 +183,32 @@ class Learner:
         not_sampled = 0  # completions left out of the loss as unlikely samples of the policy
         if self.past is not None:
             self.past.record(current_version)
-        repeats = self._repeat_evidence(groups, gap_allowance, current_version)
-        draw_misses = self._draw_misses(groups, current_version)
-        bound = math.log(self.sampling_check.duplicate_exclude_e) if self.sampling_check is not None else 0.0
-        # groups whose completions repeat far more than samples would, or one of which is not the draw of its
-        # seed: left out whole (their advantages were normalised with those completions in)
-        repeat_groups = torch.tensor([r is not None and r >= bound for r in repeats], dtype=torch.bool)
-        undrawn_groups = (
-            torch.tensor([bool(m and m.missed) for m in draw_misses], dtype=torch.bool) & ~repeat_groups
+        check = self.sampling_check
+        evidence = BatchRepeats(
+            check,
+            groups,
+            micro,
+            gap_allowance,
+            current_version,
+            self.past,
+            self.model,
+            run,
+            self._repeat_order,
         )
+        repeats = evidence.evidence
+        replay = self._draw_replay(groups, micro, current_version)
+        draw_misses = replay.misses if replay is not None else [None] * len(groups)
+        bound = math.log(check.duplicate_exclude_e) if check is not None else 0.0
+
+        def left_out() -> tuple[torch.Tensor, torch.Tensor]:
+            """Groups whose completions repeat far more than samples would, and groups one of whose completions
+            is not the draw of its seed (and do not repeat): left out whole (their advantages were normalised
+            with those completions in). Complete for a group once its micro-batch's forward pass is done."""
+            repeat = torch.tensor([r is not None and r >= bound for r in repeats], dtype=torch.bool)
+            undrawn = torch.tensor([bool(m and m.missed) for m in draw_misses], dtype=torch.bool) & ~repeat
+            return repeat, undrawn
+
+        repeat_groups, undrawn_groups = left_out()
         dropped_groups = repeat_groups | undrawn_groups
         repeated = 0  # completions left out of the loss with their group for its repeats
         not_drawn = 0  # completions left out with their group for a completion that is not its seed's draw
@@ -202,6 +219,10 @@ class Learner:
                 logits = forward_logits(self.model, mb.input_ids, mb.attention_mask, keep)
                 logp = token_logprobs(logits, mb.input_ids, run.temperature, run.top_k, run.top_p)
                 scores = self._score_samples(logits, mb)
+                replayed = replay is not None and replay.from_logits(mb, logits)
+                if evidence.from_logprobs(mb, logp) or replayed:
+                    repeat_groups, undrawn_groups = left_out()
+                    dropped_groups = repeat_groups | undrawn_groups
                 del logits
                 if self._probe is None:
                     self._probe = self._take_probe(mb, logp, keep)
@@ -330,108 +351,20 @@ class Learner:
                 out += [dataclasses.replace(score, exact=True) for score in scores]
         return out
 
-    def _repeat_evidence(
-        self,
-        groups: Sequence[ScoredGroup],
-        allowance: Sequence[float | None] | None,
-        current_version: int | None,
-    ) -> list[float | None]:
-        """Per group, the log of its duplicate e-value (``guard.sampling_check.duplicate_log_e``, its
-        completions in a random order, their probabilities raised by the precision, drift and staleness
-        slacks of ``SamplingCheckConfig``), or None when not tested (the check or its duplicate test off, or the
-        group's allowance unknown). Only completions that repeat within their group need their probability:
-        one copy of each is scored in a forward pass without gradient (a fresh completion's factor is
-        ``1 - bet`` whatever its probability), under the weights of the version the group claims when they
-        are kept (then with the precision slack only), else under the policy with the drift and staleness
-        slacks."""
-        check = self.sampling_check
-        if check is None or check.duplicate_bet <= 0:
-            return [None] * len(groups)
-        judged = [allowance is None or allowance[i] is not None for i in range(len(groups))]
-        repeated: list[tuple[int, tuple[int, ...]]] = []
-        for index, scored in enumerate(groups):
-            if judged[index]:
-                seen: dict[tuple[int, ...], int] = {}
-                for comp in scored.group.completions:
-                    ids = tuple(comp.token_ids)
-                    seen[ids] = seen.get(ids, 0) + 1
-                repeated += [(index, ids) for ids, n in seen.items() if n > 1]
-
-        def kept(index: int) -> int | None:  # the version whose weights score this group's repeats
-            version = groups[index].policy_version
-            stale = current_version is not None and version < current_version
-            return version if stale and self.past is not None and version in self.past else None
-
-        logprob: dict[tuple[int, tuple[int, ...]], float] = {}
-        for version in {kept(i) for i, _ in repeated}:
-            rows = [row for row in repeated if kept(row[0]) == version]
-            logprob.update(zip(rows, self._sequence_logprobs(groups, rows, version), strict=True))
-        out: list[float | None] = []
-        for index, scored in enumerate(groups):
-            if not judged[index]:
-                out.append(None)
-                continue
-            comps = [tuple(c.token_ids) for c in scored.group.completions]
-            drift = 0.0 if allowance is None else float(allowance[index] or 0.0)
-            behind = 0 if current_version is None else max(0, current_version - scored.policy_version)
-            if kept(index) is not None:
-                drift, behind = 0.0, 0  # scored under the very version it claims
-            order = list(range(len(comps)))
-            self._repeat_order.shuffle(order)
-            out.append(
-                duplicate_log_e(
-                    comps,
-                    [logprob.get((index, ids), 0.0) for ids in comps],
-                    check.duplicate_bet,
-                    check.precision_slack + check.drift_allowance * drift + check.stale_slack * behind,
-                    order,
-                )
-            )
-        return out
-
-    def _draw_misses(self, groups: Sequence[ScoredGroup], current_version: int | None) -> list[Replay | None]:
-        """Per group, the replay of its picked completions' seeded draws (``train.draw_check``), under
-        the weights of the version it claims: kept ones, or the policy's own for the version being trained."""
+    def _draw_replay(
+        self, groups: Sequence[ScoredGroup], micro: list[Batch], current_version: int | None
+    ) -> BatchReplay | None:
+        """The replay of the groups' seeded draws (``train.draw_check``), under the weights of the version each
+        claims: kept ones, or the policy's own (from the loss's logits) for the version being trained."""
         if self.draws is None:
-            return [None] * len(groups)
+            return None
 
         def model_at(version: int) -> torch.nn.Module | None:
             if current_version is None or version == current_version:
                 return self.model  # the policy itself: no copy of the kept weights into the scorer
             return self.past.model_at(version) if self.past is not None and version in self.past else None
 
-        return self.draws.check(groups, model_at)
-
-    def _sequence_logprobs(
-        self,
-        groups: Sequence[ScoredGroup],
-        rows: list[tuple[int, tuple[int, ...]]],
-        version: int | None = None,
-        chunk: int = 64,
-    ) -> list[float]:
-        """Log-probability of each (group index, completion) in ``rows`` after its group's prompt, under the
-        sampling distribution (the loss's ``token_logprobs``) of the policy (or of the kept ``version``),
-        without gradient."""
-        run, out = self.derived, []
-        pad = run.pad_token_id
-        model = self.model if version is None or self.past is None else self.past.model_at(version)
-        for start in range(0, len(rows), chunk):
-            part = rows[start : start + chunk]
-            seqs = [(list(groups[i].group.prompt_token_ids), list(ids)) for i, ids in part]
-            width = max(len(p) + len(c) for p, c in seqs)
-            input_ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in seqs])
-            mask = torch.zeros_like(input_ids)
-            completion = torch.zeros(input_ids.shape, dtype=torch.float32)
-            for row, (p, c) in enumerate(seqs):
-                mask[row, : len(p) + len(c)] = 1
-                completion[row, len(p) : len(p) + len(c)] = 1
-            with torch.no_grad(), rounded_weights(model, run.policy_precision):
-                input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-                logits = forward_logits(model, input_ids, mask)
-                logp = token_logprobs(logits, input_ids, run.temperature, run.top_k, run.top_p)
-                del logits
-            out += (logp.float().cpu() * completion).sum(1).tolist()
-        return out
+        return BatchReplay(self.draws, groups, micro, current_version, model_at)
 
     def _exclude_unsampled(
         self, mask: torch.Tensor, mb: Batch, scores: list[CompletionScore], allowance: torch.Tensor | None

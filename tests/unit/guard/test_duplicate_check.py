@@ -137,6 +137,37 @@ def test_the_learner_leaves_a_copiers_groups_out_and_the_guard_bans_it():
         assert quiet.judge_samples(batch, off.last_sample_scores, [0.0] * 4, off.last_group_repeats) == []
 
 
+def test_repeats_scored_under_the_policy_take_their_probability_from_the_losss_own_forward_pass():
+    """A group scored under the policy whose rows one micro-batch holds costs the duplicate test no forward
+    pass of its own, and gets the e-value a forward of its own gives; a group split between micro-batches is
+    scored ahead, by a forward pass of its repeated completions."""
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    model = Bigram(3, sharpness=3.0)
+    derived = DerivedSettings(temperature=1.0, top_p=0.9)
+    ids = sample(model, 16, 6, params, 40, one_prompt=True)
+    ids[10:16] = ids[10]  # the second group: one sample sent 6 times
+    batch = groups_of(ids, "s")
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    found = {}
+    try:
+        for micro_batch_size, forwards in ((None, [16]), (12, [12, 1, 4])):
+            calls.clear()
+            kept = SamplingCheckConfig(duplicate_exclude_e=1e300)  # the e-value alone
+            config = GRPOConfig(max_grad_norm=None, micro_batch_size=micro_batch_size)
+            learner = Learner(model, config, derived=derived, sampling_check=kept)
+            learner._repeat_order.seed(5)  # the same order of completions in both
+            learner.compute_gradients(batch)
+            model.zero_grad(set_to_none=True)
+            # rows 0-11 and 12-15: the copier's group straddles both, one forward of its repeated completion
+            assert sorted(calls) == sorted(forwards), (micro_batch_size, calls)
+            found[micro_batch_size] = learner.last_group_repeats
+    finally:
+        hook.remove()
+    assert found[None][1] > math.log(1e3) and found[None][0] < 0
+    assert found[None] == pytest.approx(found[12], abs=1e-5)
+
+
 def test_a_stale_groups_repeats_are_scored_under_the_version_it_claims():
     """The learner keeps the weights of the versions it trained and scores a stale group's repeats under the
     version the group claims: a copier's groups tagged with version 0 are left out at version 1 although the

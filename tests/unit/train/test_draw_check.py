@@ -141,6 +141,48 @@ def test_the_learner_leaves_an_editors_groups_out_and_the_guard_bans_it(policy):
     assert not guard.is_banned("honest") and guard.reputation.judgement_stats("honest")[1] == 0
 
 
+def test_groups_at_the_trained_version_are_replayed_from_the_losss_own_logits(policy):
+    """No forward pass of its own for a group at the version being trained that one micro-batch holds: its
+    replay reads the loss's logits and finds what a replay of its own finds. A group split between micro-batches
+    (left out whole, so checked before the first part's backward) and one at another version are replayed
+    ahead, by forward passes of their own."""
+    model, tokenizer = policy
+    derived = DerivedSettings(pad_token_id=tokenizer.pad_token_id)
+    marker = tokenizer.convert_tokens_to_ids(list("zz")) + [tokenizer.eos_token_id]
+    honest = drawn_groups(model, tokenizer, "honest", 3, seed=30, version=4)
+    editor = [edited(g, marker) for g in drawn_groups(model, tokenizer, "editor", 1, seed=31, version=4)]
+    batch = honest + editor
+    alone = DrawCheck(SamplingCheckConfig(), derived).misses(batch, [list(range(G))] * 4, lambda v: model)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
+    try:
+        for micro_batch_size, passes in ((None, [4 * G]), (12, [G, 12, 12, G])):
+            forwards.clear()
+            config = GRPOConfig(max_grad_norm=None, micro_batch_size=micro_batch_size)
+            learner = Learner(model, config, derived=derived, sampling_check=SamplingCheckConfig())
+            stats = learner.compute_gradients(batch, current_version=4)
+            model.zero_grad(set_to_none=True)
+            # the whole batch in one micro-batch: its loss's forward only; rows 0-11, 12-23, 24-31: the second
+            # group straddles two and is replayed ahead (a forward of its G rows), the others in the loss
+            assert sorted(forwards) == sorted(passes), (micro_batch_size, forwards)
+            got = learner.last_group_draw_misses
+            assert [r.missed for r in got] == [r.missed for r in alone] and got[3].gross
+            assert [r.worst for r in got] == pytest.approx([r.worst for r in alone], abs=1e-6)
+            assert stats["excluded_not_drawn"] == G and learner.draws.replayed == 4 * G
+        # a group at an older version than the one trained is replayed under the weights kept for it: not at
+        # hand here, so unchecked, and no forward beyond the loss's
+        forwards.clear()
+        learner = Learner(
+            model, GRPOConfig(max_grad_norm=None), derived=derived, sampling_check=SamplingCheckConfig()
+        )
+        learner.compute_gradients(batch, current_version=5)
+        model.zero_grad(set_to_none=True)
+        assert forwards == [4 * G] and learner.last_group_draw_misses == [None] * 4
+        assert learner.draws.unchecked == 4
+    finally:
+        hook.remove()
+
+
 def test_a_near_miss_is_a_strike_and_its_second_within_the_window_a_ban():
     """A miss within twice its tolerance (a sampler whose precision is worse than it claims could make one) is
     a strike and leaves the group out; the sender is banned at its ``seed_ban_alarms``-th (2)."""
