@@ -43,8 +43,9 @@ def make_run_record(
     mode: str,
     note: str = "a local run (python -m echo_p2p.local)",
     valid_days: float = 30.0,
+    seeded_sampling: bool | None = None,
 ) -> tuple[Path, str]:
-    """Sign the run record (its trainers, model, task, mode) with the run-owner identity under ``workdir``
+    """Sign the run record (its trainers, model, task, mode, and ``seeded_sampling`` when given) with the run-owner identity under ``workdir``
     (created when missing, kept otherwise), as ``python -m echo_p2p.owner sign`` does; returns the record
     file and the owner's peer id."""
     from echo_p2p.guard.trust import TrustedTrainers
@@ -64,6 +65,7 @@ def make_run_record(
         model=model,
         task=task,
         mode=mode,
+        seeded_sampling=seeded_sampling,
         note=note,
     )
     path = workdir / "run-record.bin"

@@ -81,6 +81,7 @@ def init_run(
         mode,
         note="python -m echo_p2p.owner init",
         valid_days=valid_days,
+        seeded_sampling=True,  # the peers' default: a donor set otherwise (vLLM) is told at join
     )
     local = host == "127.0.0.1"
     boot_identity, listen, maddr = bootstrap_address(workdir, host if local else "0.0.0.0", port)
@@ -186,6 +187,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="comma-separated precisions of samplers whose rollouts count",
     )
+    s.add_argument(
+        "--seeded-sampling",
+        choices=["on", "off"],
+        default=None,
+        help="on: every rollout is drawn from a seed the trainers replay (the peers' default; vLLM peers "
+        "cannot join); off: the run's peers all run with --no-seeded-sampling (default: not said)",
+    )
     s.add_argument("--note", default="")
     s.add_argument(
         "--expected-peers",
@@ -242,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             top_p=args.top_p,
             top_k=args.top_k,
             sampler_precisions=args.sampler_precisions.split(",") if args.sampler_precisions else None,
+            seeded_sampling=None if args.seeded_sampling is None else args.seeded_sampling == "on",
             note=args.note,
             directory_buckets=None if args.expected_peers is None else buckets_for(args.expected_peers),
         )

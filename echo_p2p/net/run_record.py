@@ -76,6 +76,11 @@ class RunRecord(BaseModel):
     sampler_precisions: list[str] | None = Field(
         default=None, max_length=8, description="Weight precisions of samplers whose rollouts count"
     )
+    seeded_sampling: bool | None = Field(
+        default=None,
+        description="Whether every rollout must be drawn from a seed the trainers replay "
+        "(``RunSettings.seeded_sampling``: a peer set otherwise is refused at join); None: not said",
+    )
     note: str = Field(default="", max_length=MAX_STR, description="Free text for people (who runs it)")
     directory_buckets: int | None = Field(
         default=None,

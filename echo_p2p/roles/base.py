@@ -260,6 +260,12 @@ class BasePeer:
             )
             if theirs is not None and theirs != ours
         ]
+        if record.seeded_sampling is not None and record.seeded_sampling != run.seeded_sampling:
+            vllm = self.role == "inference" and self.config.inference.engine == "vllm"
+            why = ": the vLLM engine draws no seeds, sample with --engine transformers" if vllm else ""
+            wrong.append(
+                f"seeded_sampling {record.seeded_sampling!r} (this peer: {run.seeded_sampling!r}{why})"
+            )
         allowed, precision = record.sampler_precisions, run.sampler_precision()
         if allowed and self.role == "inference" and precision not in allowed:
             wrong.append(f"sampler precisions {allowed!r} (this peer samples with {precision!r})")
@@ -268,7 +274,8 @@ class BasePeer:
         if wrong:
             flags = {"model": record.model, "task": record.task, "mode": record.mode}
             flags.update(temperature=record.temperature, top_p=record.top_p, top_k=record.top_k)
-            fix = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
+            fixes = [f"--{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None]
+            fix = " ".join(fixes + ["--no-seeded-sampling"] * (record.seeded_sampling is False))
             message = (
                 f"the run record of {record.run_id} says "
                 + ", ".join(wrong)

@@ -23,6 +23,7 @@ def test_init_makes_every_key_signs_the_record_and_prints_lines_that_use_them(tm
     assert sorted(record.trainers) == sorted(trainers)
     assert TrustedTrainers.from_file(tmp_path / "trusted-trainers.txt").peer_ids == set(trainers)
     assert (record.run_id, record.model, record.task, record.mode) == ("demo", "tiny", "count", "sync")
+    assert record.seeded_sampling is True  # the peers' default: a donor without seeds (vLLM) is told at join
     join = JoinAddress.parse(run.join_address)
     assert (join.run_id, join.owner) == ("demo", owner.peer_id)
     assert join.initial_peers == (f"/ip4/127.0.0.1/tcp/23456/p2p/{boot.peer_id}",)

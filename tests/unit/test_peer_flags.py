@@ -209,3 +209,42 @@ def test_a_model_or_task_unlike_the_run_records_is_refused_with_the_flags_that_f
     assert "model 'smollm2' (this peer: 'tiny')" in text and "task 'arithmetic' (this peer: 'count')" in text
     assert "start this peer with --model smollm2 --task arithmetic --mode async" in text
     owner.cleanup()
+
+
+def test_a_peer_that_draws_otherwise_than_the_run_record_says_is_refused_at_join(tmp_path):
+    """``seeded_sampling`` in the run record: a peer without seeds in a run that replays them (a vLLM donor
+    would have every group refused as sampling_mismatch) and a seeding peer in a run that said off are told
+    at join, with the flag or engine that fixes it; a record that does not say checks nothing."""
+    import time
+
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.run_record import RunRecord
+    from echo_p2p.roles.inference import InferencePeer
+    from echo_p2p.roles.trainer.peer import TrainerPeer
+
+    owner = load_or_create_identity(None)
+    (tmp_path / "t").write_text(owner.peer_id + "\n")
+    base = ["--run-id", "r", "--initial-peers", MADDR, "--trusted-trainers", str(tmp_path / "t")]
+
+    def record(seeded):
+        return RunRecord(
+            run_id="r", owner_key=owner.public_key_bytes().decode(), trainers=[owner.peer_id], serial=1,
+            issued_at=time.time(), expires_at=time.time() + 60, seeded_sampling=seeded,
+        )  # fmt: skip
+
+    def check(cls, seeded, *flags):
+        config = parse_config(["--role", cls.role, *base, *flags], environ={})
+        cls(config, identity=owner)._check_run_settings(record(seeded))
+
+    for seeded in (True, None):
+        check(InferencePeer, seeded)
+        check(TrainerPeer, seeded)
+    check(InferencePeer, None, "--no-seeded-sampling")
+    check(InferencePeer, False, "--no-seeded-sampling")
+    with pytest.raises(ValueError, match=r"seeded_sampling True \(this peer: False: the vLLM engine"):
+        check(InferencePeer, True, "--no-seeded-sampling", "--engine", "vllm")
+    with pytest.raises(ValueError, match=r"seeded_sampling True \(this peer: False\)"):
+        check(TrainerPeer, True, "--no-seeded-sampling")
+    with pytest.raises(ValueError, match="start this peer with --no-seeded-sampling"):
+        check(InferencePeer, False)
+    owner.cleanup()
