@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from echo_p2p.forkserver import FORKED_MODULES, ForkServer, ForkServerError
+
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -34,8 +36,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_forks: ForkServer | None = None
+
+
+def fork_server() -> ForkServer | None:
+    """This test process's fork server (``echo_p2p.forkserver``), started at its first peer: every peer a test
+    starts with this interpreter is forked from it instead of importing torch & co. again (~5 CPU-s each).
+    None once it failed; ``ECHO_TEST_NO_FORK_SERVER=1`` starts every peer as a new interpreter."""
+    global _forks
+    if os.environ.get("ECHO_TEST_NO_FORK_SERVER") == "1":
+        return None
+    if _forks is None:
+        _forks = ForkServer()
+    return _forks if _forks.usable else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _forks is not None:
+        _forks.close()
+
+
 class Procs:
-    """Starts echo_p2p CLIs as subprocesses, each in its own session, and kills only those groups."""
+    """Starts echo_p2p CLIs as subprocesses, each in its own session, and kills only those groups. A peer
+    (``-m echo_p2p.peer`` with this interpreter) is forked from the fork server."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
@@ -53,6 +76,18 @@ class Procs:
         self._n += 1
         log = self.workdir / f"{name or 'proc'}-{self._n}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        forks = (
+            fork_server() if python is None and args[:1] == ("-m",) and args[1] in FORKED_MODULES else None
+        )
+        if forks is not None:
+            try:
+                forked = forks.spawn(args[1], args[2:], log=log, cwd=str(self.workdir), env=full_env)
+            except ForkServerError:
+                pass  # started the usual way below
+            else:
+                forked.log_path = log  # type: ignore[attr-defined]
+                self.procs.append(forked)  # type: ignore[arg-type]
+                return forked  # type: ignore[return-value]
         proc = subprocess.Popen(
             [python or sys.executable, *args],
             cwd=str(self.workdir),

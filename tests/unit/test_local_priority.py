@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from echo_p2p.local import lower_priority
+from echo_p2p.forkserver import lower_priority
 
 
 def test_a_child_in_its_own_session_is_niced_and_so_is_its_autogroup():

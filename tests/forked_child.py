@@ -1,0 +1,55 @@
+"""A module the fork server's tests run as ``python -m tests.forked_child MODE OUT``: what a forked peer sees.
+
+``report``: writes its pid, process group, working directory, argv, ``ECHO_TEST`` and a random number to OUT,
+prints to stdout and stderr, exits 3. ``linger``: a non-daemon thread that finishes after the module returns
+and an exit handler, each writing a file next to OUT. ``raise``: an uncaught exception. ``sleep``: sleeps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "report":
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    "pid": os.getpid(),
+                    "pgid": os.getpgid(0),
+                    "cwd": os.getcwd(),
+                    "argv": sys.argv[1:],
+                    "env": os.environ.get("ECHO_TEST"),
+                    "random": random.random(),
+                    "name": __name__,
+                },
+                f,
+            )
+        print("to stdout")
+        print("to stderr", file=sys.stderr)
+        sys.exit(3)
+    if mode == "linger":
+
+        def late() -> None:
+            time.sleep(0.5)
+            with open(out + ".thread", "w") as f:
+                f.write("done")
+
+        threading.Thread(target=late).start()
+        atexit.register(lambda: open(out + ".atexit", "w").write("done"))
+        return
+    if mode == "raise":
+        raise RuntimeError("boom from the forked child")
+    if mode == "sleep":
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    main()

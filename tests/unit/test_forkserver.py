@@ -1,0 +1,78 @@
+"""``echo_p2p.forkserver``: processes forked from a helper that imported their modules once behave as
+``python -m`` started ones do (argv, working directory, environment, own session, log, exit code, signals,
+non-daemon threads and exit handlers at exit, fresh random numbers), and a helper that is gone says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from echo_p2p.forkserver import ForkServer, ForkServerError
+
+MODULE = "tests.forked_child"
+
+
+@pytest.fixture(scope="module")
+def server():
+    forks = ForkServer(preload=("json",), modules=frozenset({MODULE}))
+    yield forks
+    forks.close()
+
+
+def test_a_forked_child_runs_its_module_as_python_m_would(server, tmp_path):
+    outs, procs = [], []
+    for i in range(2):
+        out = tmp_path / f"report-{i}.json"
+        env = {**os.environ, "ECHO_TEST": f"value-{i}"}
+        procs.append(
+            server.spawn(MODULE, ["report", str(out)], log=tmp_path / f"log-{i}", cwd=str(tmp_path), env=env)
+        )
+        outs.append(out)
+    assert [p.wait(60) for p in procs] == [3, 3] and [p.returncode for p in procs] == [3, 3]
+    seen = [json.loads(out.read_text()) for out in outs]
+    for i, (proc, got) in enumerate(zip(procs, seen, strict=True)):
+        assert got["pid"] == got["pgid"] == proc.pid  # a session of its own: a group signal reaches only it
+        assert got["cwd"] == str(tmp_path) and got["env"] == f"value-{i}" and got["name"] == "__main__"
+        assert got["argv"] == ["report", str(outs[i])]
+        log = (tmp_path / f"log-{i}").read_text()
+        assert "to stdout" in log and "to stderr" in log
+    assert seen[0]["random"] != seen[1]["random"]  # reseeded: not the helper's stream twice
+
+
+def test_non_daemon_threads_and_exit_handlers_finish_before_the_exit(server, tmp_path):
+    out = tmp_path / "linger"
+    proc = server.spawn(MODULE, ["linger", str(out)], log=tmp_path / "log")
+    assert proc.wait(60) == 0
+    assert (tmp_path / "linger.thread").read_text() == "done"
+    assert (tmp_path / "linger.atexit").read_text() == "done"
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback_in_the_log(server, tmp_path):
+    proc = server.spawn(MODULE, ["raise", str(tmp_path / "x")], log=tmp_path / "log")
+    assert proc.wait(60) == 1
+    assert "RuntimeError: boom from the forked child" in (tmp_path / "log").read_text()
+
+
+def test_signals_reach_the_child_and_its_exit_says_which(server, tmp_path):
+    proc = server.spawn(MODULE, ["sleep", str(tmp_path / "x")], log=tmp_path / "log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.5)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
+    proc.kill()  # after its exit: nothing to signal, no error
+
+
+def test_a_module_it_does_not_fork_and_a_closed_helper_are_refused(tmp_path):
+    forks = ForkServer(preload=(), modules=frozenset({MODULE}))
+    with pytest.raises(ForkServerError, match="not started by the fork server"):
+        forks.spawn("echo_p2p.peer", [], log=tmp_path / "log")
+    assert forks.spawn(MODULE, ["linger", str(tmp_path / "l")], log=tmp_path / "log").wait(60) == 0
+    forks.close()
+    assert not forks.usable
+    with pytest.raises(ForkServerError):
+        forks.spawn(MODULE, ["linger", str(tmp_path / "l")], log=tmp_path / "log")
