@@ -7,7 +7,8 @@ few cores, and the test suite ~50. ``ForkServer`` starts one helper process (``p
 echo_p2p.forkserver``) that imports those modules, and nothing more: it runs no torch operation and starts no
 thread of its own, as hivemind's DHT does before it forks its own child. Each peer is then a fork of it: the
 child starts a session of its own (its process group is its pid, so a group signal reaches it and its
-daemons, as with ``start_new_session``), takes the working directory, environment and log file it was given,
+daemons, as with ``start_new_session``), takes the name it is given (``ps -o comm``: its command line is the
+helper's), takes the working directory, environment and log file it was given,
 reseeds Python's ``random``, and runs the module as ``python -m`` would (``runpy``), then what the
 interpreter does at exit (waits for its non-daemon threads, runs the exit handlers) and exits with the
 module's exit code.
@@ -172,9 +173,12 @@ class ForkServer:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         nice: int = 0,
+        name: str = "",
     ) -> ForkedProcess:
         """Fork ``python -m module args...`` from the helper, its output (stdout and stderr) to ``log``
-        (truncated), in ``cwd`` (default: the caller's) with ``env`` (default: the caller's environment)."""
+        (truncated), in ``cwd`` (default: the caller's) with ``env`` (default: the caller's environment).
+        ``name``: the process's name as ``ps -o comm``, ``top`` and ``psutil``'s ``name()`` show it (at most 15
+        characters, Linux's limit; e.g. ``trainer-0``): its command line is the helper's."""
         if module not in self.modules:
             raise ForkServerError(f"{module} is not started by the fork server")
         if not self._ready.wait(READY_TIMEOUT_S) or self._gone.is_set():
@@ -186,6 +190,7 @@ class ForkServer:
             "cwd": cwd or os.getcwd(),
             "env": dict(os.environ if env is None else env),
             "nice": int(nice),
+            "name": name,
         }
         with self._lock:
             self._next_id += 1
@@ -354,6 +359,12 @@ def _child(sock: socket.socket, request: dict) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(request["env"])
+        if request.get("name"):
+            try:
+                with open("/proc/self/comm", "w") as comm:
+                    comm.write(str(request["name"])[:15])
+            except OSError:
+                pass  # not Linux: the helper's name stays
         if request.get("nice"):
             lower_priority(int(request["nice"]))
         random.seed()

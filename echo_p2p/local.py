@@ -104,7 +104,7 @@ class LocalSwarm:
             if self.forks is not None and args[0] == "-m" and args[1] in FORKED_MODULES and self.forks.usable:
                 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
                 try:
-                    forked = self.forks.spawn(args[1], args[2:], log=log, env=env, nice=nice)
+                    forked = self.forks.spawn(args[1], args[2:], log=log, env=env, nice=nice, name=name)
                     self.children.append(Child(name, forked, log))
                     return self.children[-1]
                 except ForkServerError as exc:  # started the usual way instead

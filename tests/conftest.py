@@ -81,7 +81,9 @@ class Procs:
         )
         if forks is not None:
             try:
-                forked = forks.spawn(args[1], args[2:], log=log, cwd=str(self.workdir), env=full_env)
+                forked = forks.spawn(
+                    args[1], args[2:], log=log, cwd=str(self.workdir), env=full_env, name=name or ""
+                )
             except ForkServerError:
                 pass  # started the usual way below
             else:

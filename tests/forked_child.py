@@ -29,6 +29,7 @@ def main() -> None:
                     "env": os.environ.get("ECHO_TEST"),
                     "random": random.random(),
                     "name": __name__,
+                    "comm": open("/proc/self/comm").read().strip(),
                 },
                 f,
             )

@@ -126,10 +126,14 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
             proc.send_signal(signal.SIGTERM)  # it writes its report, then exits
             assert proc.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         # Ctrl-C: every process the run started stops (the ctrl-c checks of the local launcher)
-        started = psutil.Process(local.pid).children(recursive=True)  # with the peers' DHT children, p2pd
-        names = [" ".join(p.cmdline()[1:6]) for p in psutil.Process(local.pid).children()]
-        assert any("echo_p2p.bootstrap" in n for n in names) and any("--role trainer" in n for n in names)
-        assert sum("--role inference" in n for n in names) == 2, names
+        # with the peers' DHT children, p2pd, and the fork server the peers are forked from
+        started = psutil.Process(local.pid).children(recursive=True)
+        # each process the run started leads a session of its own: a peer forked from the fork server goes by
+        # its name (its command line is the fork server's), one started as an interpreter by its command line
+        names = [f"{p.name()} {' '.join(p.cmdline()[1:6])}" for p in started if os.getsid(p.pid) == p.pid]
+        assert any("echo_p2p.bootstrap" in n for n in names), names
+        assert sum(n.startswith("trainer-") or "--role trainer" in n for n in names) == 1, names
+        assert sum(n.startswith("inference-") or "--role inference" in n for n in names) == 2, names
         os.killpg(local.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
         assert local.wait(timeout=90) == 0, (tmp_path / "local.log").read_text()[-3000:]
     finally:

@@ -29,7 +29,14 @@ def test_a_forked_child_runs_its_module_as_python_m_would(server, tmp_path):
         out = tmp_path / f"report-{i}.json"
         env = {**os.environ, "ECHO_TEST": f"value-{i}"}
         procs.append(
-            server.spawn(MODULE, ["report", str(out)], log=tmp_path / f"log-{i}", cwd=str(tmp_path), env=env)
+            server.spawn(
+                MODULE,
+                ["report", str(out)],
+                log=tmp_path / f"log-{i}",
+                cwd=str(tmp_path),
+                env=env,
+                name=f"peer-{i}",
+            )
         )
         outs.append(out)
     assert [p.wait(60) for p in procs] == [3, 3] and [p.returncode for p in procs] == [3, 3]
@@ -37,7 +44,7 @@ def test_a_forked_child_runs_its_module_as_python_m_would(server, tmp_path):
     for i, (proc, got) in enumerate(zip(procs, seen, strict=True)):
         assert got["pid"] == got["pgid"] == proc.pid  # a session of its own: a group signal reaches only it
         assert got["cwd"] == str(tmp_path) and got["env"] == f"value-{i}" and got["name"] == "__main__"
-        assert got["argv"] == ["report", str(outs[i])]
+        assert got["argv"] == ["report", str(outs[i])] and got["comm"] == f"peer-{i}"  # ps, top, psutil name
         log = (tmp_path / f"log-{i}").read_text()
         assert "to stdout" in log and "to stderr" in log
     assert seen[0]["random"] != seen[1]["random"]  # reseeded: not the helper's stream twice
