@@ -8,9 +8,10 @@ in /tmp after a few local runs, for good. ``use_private_socket_dir`` points ``P2
 process's own under /tmp (the DHT child, forked, inherits it; hivemind's own replicas for the averagers go
 there too) and removes the folder with whatever is in it when the process exits (normally, or through a
 SIGTERM handler that exits; the exits through ``os._exit`` call ``remove_private_socket_dir`` first). A
-process killed with SIGKILL leaves its folder: nothing runs then.
+process killed with SIGKILL leaves its folder: nothing runs then; the folder names the process
+(``echo-p2p-PID-*``), and the next process to make one removes those of processes that are gone.
 
-Owned here: ``use_private_socket_dir`` and ``remove_private_socket_dir``. Imports only
+Owned here: ``use_private_socket_dir``, ``remove_private_socket_dir`` and ``remove_stale_socket_dirs``. Imports only
 ``hivemind.p2p.p2p_daemon`` (no torch); the prefix it sets is a class attribute of the pinned hivemind
 (``P2P._UNIX_SOCKET_PREFIX``).
 """
@@ -37,11 +38,47 @@ def use_private_socket_dir() -> str:
         if _folder is not None and _folder[0] == os.getpid() and os.path.isdir(_folder[1]):
             return _folder[1]
         # /tmp as hivemind has it (a Unix socket's path must stay under ~100 bytes; $TMPDIR may be long)
-        folder = tempfile.mkdtemp(prefix="echo-p2p-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        remove_stale_socket_dirs(base)
+        folder = tempfile.mkdtemp(prefix=f"echo-p2p-{os.getpid()}-", dir=base)
         P2P._UNIX_SOCKET_PREFIX = f"/unix{folder}/hivemind-"
         _folder = (os.getpid(), folder)
         atexit.register(_remove, os.getpid(), folder)
         return folder
+
+
+def remove_stale_socket_dirs(base: str) -> list[str]:
+    """Remove the socket folders under ``base`` of processes that are gone (a SIGKILL leaves its folder: no
+    exit handler runs), ours only (same user); returns them. A folder names its process (``echo-p2p-PID-*``);
+    one whose pid is alive, or was taken by another process since, is left."""
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["echo", "p2p"] or not parts[2].isdigit():
+            continue
+        path = os.path.join(base, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _alive(int(parts[2])):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_private_socket_dir() -> None:

@@ -47,3 +47,20 @@ def test_a_processs_sockets_live_in_its_own_folder_which_its_exit_removes():
     assert len(seen["sockets"]) == 3 and all(name.startswith("hivemind-p2p") for name in seen["sockets"])
     assert sorted(seen["paths"]) == [f"/unix{folder}/{name}" for name in seen["sockets"]], seen
     assert not os.path.exists(folder)  # removed at exit, sockets and all
+
+
+def test_the_folders_of_processes_that_are_gone_are_removed_by_the_next_one(tmp_path):
+    """A SIGKILL leaves a process's folder (no exit handler runs): the next process to make one removes the
+    folders of processes that are gone, and leaves those of live ones and folders not named by a pid."""
+    from echo_p2p.net.sockets import remove_stale_socket_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid is free now (reaped)
+    dead = tmp_path / f"echo-p2p-{gone.pid}-abcd1234"
+    live = tmp_path / f"echo-p2p-{os.getpid()}-abcd1234"
+    other = tmp_path / "echo-p2p-abcd1234"  # an older release's name: not ours to judge
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "hivemind-p2pclient-x.sock").write_text("")
+    assert remove_stale_socket_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and other.exists()
