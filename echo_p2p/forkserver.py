@@ -176,13 +176,14 @@ class ForkServer:
         name: str = "",
     ) -> ForkedProcess:
         """Fork ``python -m module args...`` from the helper, its output (stdout and stderr) to ``log``
-        (truncated), in ``cwd`` (default: the caller's) with ``env`` (default: the caller's environment).
+        (made empty before this returns), in ``cwd`` (default: the caller's) with ``env`` (default: the caller's environment).
         ``name``: the process's name as ``ps -o comm``, ``top`` and ``psutil``'s ``name()`` show it (at most 15
         characters, Linux's limit; e.g. ``trainer-0``): its command line is the helper's."""
         if module not in self.modules:
             raise ForkServerError(f"{module} is not started by the fork server")
         if not self._ready.wait(READY_TIMEOUT_S) or self._gone.is_set():
             raise ForkServerError("the fork server is not running")
+        open(log, "wb").close()  # there (and empty) when spawn returns, as a log a Popen is given
         request = {
             "module": module,
             "args": list(args),
@@ -350,7 +351,7 @@ def _child(sock: socket.socket, request: dict) -> None:
         sock.close()
         os.setsid()
         os.chdir(request["cwd"])
-        out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # the caller made it
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)

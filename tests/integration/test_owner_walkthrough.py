@@ -44,11 +44,12 @@ def test_owner_init_then_the_printed_lines_make_a_run_a_donor_joins_and_trains(p
     join, lines = owner_init(tmp_path, "--run-id", "demo", "--port", str(port))
     assert set(lines) == {"bootstrap", "trainer", "inference"}
     boot = procs.start(*lines["bootstrap"], name="bootstrap")
-    trainer = procs.start(*lines["trainer"], name="trainer")
-    donor = procs.start(*lines["inference"], name="inference")
-    # the bootstrap prints the very address the owner was given
+    # the bootstrap prints the very address the owner was given; the owner starts the others once it is up,
+    # as the printed steps say (a peer knocks for 5 s: a forked one is up before a bootstrap still importing)
     wait_until(lambda: f"--join {join}" in read_log(boot) or boot.poll() is not None, 30, what="bootstrap")
     assert f"--join {join}" in read_log(boot), read_log(boot)
+    trainer = procs.start(*lines["trainer"], name="trainer")
+    donor = procs.start(*lines["inference"], name="inference")
     stepped = re.compile(r"published version [1-9]")  # version 1 is the first step's (later ones are summed)
     # the first step needs a batch from the one donor: on 2 busy cores (a fresh-clone suite run) the trainer
     # joined 30 s and the donor 41 s after launch, then sampled ~1 group/s, and 75 s ran out with 5 of the

@@ -65,7 +65,9 @@ def test_an_uncaught_exception_exits_1_with_its_traceback_in_the_log(server, tmp
 
 
 def test_signals_reach_the_child_and_its_exit_says_which(server, tmp_path):
+    (tmp_path / "log").write_text("an older run's log")
     proc = server.spawn(MODULE, ["sleep", str(tmp_path / "x")], log=tmp_path / "log")
+    assert (tmp_path / "log").read_text() == ""  # there, and emptied, when spawn returns (as with Popen)
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.5)
     assert proc.poll() is None
