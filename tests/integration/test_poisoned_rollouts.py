@@ -166,7 +166,10 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         for x in read_metrics(str(p))
         if "senders" in x
     ]
-    assert senders and senders[-1]["banned"] == 2 and senders[-1]["groups_over_gap"] >= 3, senders[-1:]
+    # the poisoner's made-up groups claim seeds: a replay of their draws misses by more than any precision
+    # explains and bans it at once, else its third group over the log-prob gap does (whichever judged first)
+    assert senders and senders[-1]["banned"] == 2, senders[-1:]
+    assert senders[-1]["groups_over_gap"] >= 3 or senders[-1].get("draw_strikes", 0) >= 2, senders[-1:]
     # the editor: struck for completions that are not samples (its values are true: no other check can
     # fire on it) and banned, as the trainer logs it; no honest inference peer was banned
     # (the tail test's ban needs 3 strikes, the duplicate test's 2 alarms: ``duplicate_ban_alarms``; the
@@ -188,8 +191,9 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
     # accepted before that depends on how long they waited in the buffer (time), not on the rule; the
     # groups waiting when it was banned were dropped
     judged = [x["senders"] for x in steps if "senders" in x]
-    first = next(i for i, x in enumerate(judged) if x["groups_over_gap"] >= 3)
-    assert judged[first]["banned"] >= 1, judged[max(0, first - 1) : first + 1]
+    first = next((i for i, x in enumerate(judged) if x["groups_over_gap"] >= 3), None)
+    if first is not None:  # (banned by the replay before a third such group was judged otherwise)
+        assert judged[first]["banned"] >= 1, judged[max(0, first - 1) : first + 1]
     assert all(s.get("nonfinite_skipped", 0) == 0 for s in steps)  # the loss stayed finite throughout
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] >= 20 and summary["reward_final"] > summary["reward_first"] + 0.05, summary
