@@ -180,13 +180,15 @@ def edited(trainer: ColocatedTrainer, groups: list[ScoredGroup], attack: str, k:
     return out, edits
 
 
-def timed(learners: dict[str, Learner], groups: list[ScoredGroup], repeats: int) -> dict[str, float]:
+def timed(
+    learners: dict[str, Learner], groups: list[ScoredGroup], repeats: int, current_version: int | None = None
+) -> dict[str, float]:
     """Median seconds of ``compute_gradients`` on ``groups`` per learner (interleaved), the check's share."""
     times: dict[str, list[float]] = {arm: [] for arm in learners}
     for _ in range(repeats):
         for arm, learner in learners.items():
             t0 = time.perf_counter()
-            learner.compute_gradients(groups)
+            learner.compute_gradients(groups, current_version=current_version)
             times[arm].append(time.perf_counter() - t0)
     cost = {arm: statistics.median(v) for arm, v in times.items()}
     cost.update({f"{arm}_min": min(v) for arm, v in times.items()})
@@ -194,6 +196,28 @@ def timed(learners: dict[str, Learner], groups: list[ScoredGroup], repeats: int)
     cost["ratio"] = cost["added_s"] / cost["off"]
     # on a shared machine the fastest of each arm is the least disturbed
     cost["ratio_min"] = (cost["on_min"] - cost["off_min"]) / cost["off_min"]
+    return cost
+
+
+def stale_cost(trainer: ColocatedTrainer, groups: list[ScoredGroup], behind: int, repeats: int):
+    """``timed`` on ``groups`` spread round-robin over the ``behind`` versions before the trained one (whose
+    weights the learner keeps: the policy's own here, only the time matters), as an async run's batches are;
+    the senders' probations are spent first, so the replays are the steady share's."""
+    current = 100
+    spread = [
+        ScoredGroup(g.group.model_copy(update={"policy_version": current - 1 - i % behind}), g.rewards)
+        for i, g in enumerate(groups)
+    ]
+    learners = {arm: learner_at(trainer, 1.0, 1.0, check=arm == "on") for arm in ("off", "on")}
+    on = learners["on"]
+    assert on.past is not None and on.draws is not None
+    for version in range(current - behind, current):
+        on.past.record(version)
+    for _ in range(CHECK.seed_probation + 1):
+        on.draws.pick(spread)
+    cost = timed(learners, spread, repeats, current_version=current)
+    cost["replayed_per_step"] = on.draws.replayed / max(1, repeats)
+    cost["replay_s_per_step"] = on.draws.seconds / max(1, repeats)  # of ``added_s``: the draws' part
     return cost
 
 
@@ -257,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cost-only", action="store_true", help="only time the check (untrained policy), print and exit"
     )
     parser.add_argument(
+        "--cost-behind",
+        type=int,
+        default=0,
+        help="also time the check on the same groups spread over this many versions behind the trained one "
+        "(an async run's batch: replays under the kept weights), every sender past its probation",
+    )
+    parser.add_argument(
         "--smollm2-cost", action="store_true", help="also time the check on SmolLM2-135M's architecture"
     )
     parser.add_argument("--out", default="benchmarks/results/sampling_check.json")
@@ -270,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         groups, _ = trainer.sample_groups(10**8)
         learners = {arm: learner_at(trainer, 1.0, 1.0, check=arm == "on") for arm in ("off", "on")}
         costs = {"tiny": timed(learners, groups, args.repeats)}
+        if args.cost_behind > 0:
+            costs[f"tiny_stale{args.cost_behind}"] = stale_cost(
+                trainer, groups, args.cost_behind, args.repeats
+            )
         if args.smollm2_cost:
             costs["smollm2_arch"] = smollm2_cost(3, 2, 4, 32)
         for name, cost in costs.items():

@@ -15,7 +15,10 @@ without gradient under the weights the learner kept (``train.past_weights``) or 
 
 What is replayed: every completion of a sender's first ``seed_probation`` groups, then each completion with
 probability ``seed_check_share`` (a forward pass of its own costs about a third of a training step's per
-completion, so checking all of the older ones would cost the trainer a quarter of its speed). An editor present
+completion, so checking all of the older ones would cost the trainer a quarter of its speed). Those that need a
+pass of their own are picked at one or a few versions per batch, drawn at random, at a share raised to match
+(``DrawCheck.pick``): the same chance for every completion, with one pass where a batch of an async run spans
+several versions (the fixed cost of a forward call is what a small model's replays spent). An editor present
 from the run's first step is replayed in full; one that starts later edits each group's right answers, and each
 edited completion is picked with that probability. A group whose version's weights are not at hand (older than
 the kept versions, or a model too large to keep any) is not replayed (``unchecked``).
@@ -25,6 +28,7 @@ Owned here: ``DrawCheck``, ``BatchReplay``. Called by ``train.learner`` around a
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 import time
@@ -95,12 +99,26 @@ class DrawCheck:
         #: on honest samplers; an edit's is large)
         self.largest_distance = 0.0
 
-    def pick(self, groups: Sequence[ScoredGroup]) -> list[list[int]]:
-        """Per group, the indices of the completions to replay (none for a group without a seed)."""
+    def pick(
+        self, groups: Sequence[ScoredGroup], own_pass: Callable[[int], bool] | None = None
+    ) -> list[list[int]]:
+        """Per group, the indices of the completions to replay (none for a group without a seed).
+
+        ``own_pass(g)``: whether group ``g``'s replay needs a forward pass of its own (a group at an older version,
+        or one split between micro-batches; None: none does). Every completion of a sender's first
+        ``seed_probation`` groups is picked; after it, each completion with probability ``seed_check_share``.
+        Those needing a pass of their own are picked at few versions per batch: the versions that no
+        probation group brings to a pass anyway are the candidates; ``k = ceil(share * m)`` of the ``m`` are
+        drawn uniformly at random, and each completion of theirs is picked with probability ``share * m / k``.
+        Any completion is still picked with probability ``share`` whatever version its group claims (a rare
+        version is as likely drawn as a common one), but a batch costs at most ``k`` forward passes (one while
+        ``m <= 1 / share``) instead of one per version."""
+        share = self.config.seed_check_share
         out: list[list[int]] = []
-        for scored in groups:
+        later: list[int] = []  # groups past their sender's probation
+        for index, scored in enumerate(groups):
             group = scored.group
-            if not group.sampling_seed or self.config.seed_check_share <= 0:
+            if not group.sampling_seed or share <= 0:
                 out.append([])
                 continue
             sender = group.sampler_peer_id
@@ -108,11 +126,27 @@ class DrawCheck:
             self._groups_seen[sender] = seen + 1
             while len(self._groups_seen) > self.config.max_tracked:
                 self._groups_seen.popitem(last=False)
-            every = range(len(group.completions))
             if seen < self.config.seed_probation:
-                out.append(list(every))
+                out.append(list(range(len(group.completions))))
             else:
-                out.append([k for k in every if self._rng.random() < self.config.seed_check_share])
+                out.append([])
+                later.append(index)
+        needs = own_pass or (lambda g: False)
+        passes = {groups[g].policy_version for g, p in enumerate(out) if p and needs(g)}
+        candidates = sorted({groups[g].policy_version for g in later if needs(g)} - passes)
+        focus: set[int] = set()
+        rate = share
+        if candidates:
+            drawn = math.ceil(share * len(candidates) - 1e-9)
+            focus = set(self._rng.sample(candidates, drawn))
+            rate = share * len(candidates) / drawn
+        for g in later:
+            version = groups[g].policy_version
+            if needs(g) and version not in passes:
+                p = rate if version in focus else 0.0
+            else:
+                p = share
+            out[g] = [k for k in range(len(groups[g].group.completions)) if self._rng.random() < p]
         return out
 
     def tolerance(self, scored: ScoredGroup) -> float:
@@ -261,11 +295,13 @@ def _vocab(model: torch.nn.Module) -> int:
 class BatchReplay:
     """The replay of one batch's picked completions, made while the learner computes its loss.
 
-    A group at the version being trained whose rows all lie in one micro-batch is replayed from the logits of
-    that micro-batch's loss (``from_logits``, called for every micro-batch in order): the check costs it no
-    forward pass. The others (older versions, from the kept weights; a group split between micro-batches,
-    whose replay must be complete before the first part's backward, since it is left out of the loss whole)
-    are replayed ahead, at construction. ``misses``: per group, what its replay found so far."""
+        A group at the version being trained whose rows all lie in one micro-batch is replayed from the logits of
+        that micro-batch's loss (``from_logits``, called for every micro-batch in order): the check costs it no
+        forward pass. The others (older versions, from the kept weights; a group split between micro-batches,
+        whose replay must be complete before the first part's backward, since it is left out of the loss whole)
+        are replayed ahead, at construction, picked at few versions per batch (``DrawCheck.pick``; ``at_hand(v)``:
+    whether version ``v``'s weights are held, those that are not are never the versions drawn). ``misses``: per
+    group, what its replay found so far."""
 
     def __init__(
         self,
@@ -274,15 +310,17 @@ class BatchReplay:
         micro: Sequence[Batch],
         current_version: int | None,
         model_at: ModelAt,
+        at_hand: Callable[[int], bool] | None = None,
     ) -> None:
         self.check, self.groups = check, groups
-        self.picks = check.pick(groups)
         self.in_loss = {
             g
             for g in groups_in_one_micro_batch(micro)
             if groups[g].group.sampling_seed
             and (current_version is None or groups[g].policy_version == current_version)
         }
+        held = at_hand or (lambda version: True)
+        self.picks = check.pick(groups, lambda g: g not in self.in_loss and held(groups[g].policy_version))
         self.starts = [0]  # each group's first row in the batch (rows: groups in order, then completions)
         for scored in groups:
             self.starts.append(self.starts[-1] + len(scored.group.completions))

@@ -364,7 +364,11 @@ class Learner:
                 return self.model  # the policy itself: no copy of the kept weights into the scorer
             return self.past.model_at(version) if self.past is not None and version in self.past else None
 
-        return BatchReplay(self.draws, groups, micro, current_version, model_at)
+        def at_hand(version: int) -> bool:
+            held = self.past is not None and version in self.past
+            return current_version is None or version == current_version or held
+
+        return BatchReplay(self.draws, groups, micro, current_version, model_at, at_hand)
 
     def _exclude_unsampled(
         self, mask: torch.Tensor, mb: Batch, scores: list[CompletionScore], allowance: torch.Tensor | None

@@ -116,6 +116,51 @@ def test_after_its_probation_a_sender_has_a_share_of_its_completions_replayed(po
     assert off.pick(groups[:3]) == [[], [], []]
 
 
+def test_groups_that_need_a_pass_of_their_own_are_picked_at_one_version_per_batch(policy):
+    """After probation, groups whose replay needs a forward pass of its own (stale ones) are picked at a version
+    drawn per batch, at a share raised to match: one pass per batch, yet every completion, a rare version's
+    too, is replayed with probability ``seed_check_share``. Versions a probation group brings to a pass anyway
+    keep the plain share."""
+    model, tokenizer = policy
+    config = SamplingCheckConfig(seed_probation=1, seed_check_share=0.1)
+    check = DrawCheck(config, DerivedSettings(), seed=5)
+    base = drawn_groups(model, tokenizer, "a", 1, seed=6)[0]
+
+    def at(version: int, sender: str) -> ScoredGroup:
+        return ScoredGroup(
+            base.group.model_copy(update={"policy_version": version, "sampler_peer_id": sender}), base.rewards
+        )
+
+    check.pick([at(0, "a")])  # a's probation over
+    # a batch: 6 groups at version 10 (trained in the loss), 5 at 9, 3 at 8, 1 at 7 (a rare one)
+    batch = [at(10, "a")] * 6 + [at(9, "a")] * 5 + [at(8, "a")] * 3 + [at(7, "a")]
+    own = lambda g: batch[g].policy_version != 10  # noqa: E731
+    picked = {v: 0 for v in (7, 8, 9, 10)}
+    versions_replayed = []
+    rounds = 600
+    for _ in range(rounds):
+        picks = check.pick(batch, own)
+        stale = {batch[g].policy_version for g, p in enumerate(picks) if p and own(g)}
+        versions_replayed.append(len(stale))
+        for g, p in enumerate(picks):
+            picked[batch[g].policy_version] += len(p)
+    assert max(versions_replayed) == 1  # 3 candidate versions <= 1 / share: one pass a batch at most
+    counts = {7: 1, 8: 3, 9: 5, 10: 6}
+    for version, groups in counts.items():
+        rate = picked[version] / (rounds * groups * G)
+        assert 0.07 <= rate <= 0.13, (version, rate)  # the share, whatever the version's size
+    # a sender on probation brings its version to a pass: that version's other groups get the plain share,
+    # the focus is drawn among the rest
+    fresh = [at(8, "new")] + batch[6:]
+    picks = check.pick(fresh, lambda g: True)
+    assert picks[0] == list(range(G))
+    # with more candidate versions than 1 / share, enough are drawn to keep the share
+    many = DrawCheck(SamplingCheckConfig(seed_probation=0, seed_check_share=0.25), DerivedSettings(), seed=7)
+    spread = [at(v, "a") for v in range(10)]
+    passes = {len({v for v, p in enumerate(many.pick(spread, lambda g: True)) if p}) for _ in range(50)}
+    assert max(passes) <= 3 and 3 in passes
+
+
 def test_the_learner_leaves_an_editors_groups_out_and_the_guard_bans_it(policy):
     """From the first step: the editor's group is left out of the loss whole, and a miss no precision explains
     bans at once; honest groups are kept and never struck."""
