@@ -42,18 +42,19 @@ import torch
 from echo_p2p.ml.engine import SamplingParams, process_logits
 from echo_p2p.ml.seeded import interval_distance, uniforms
 from echo_p2p.train.batching import groups_in_one_micro_batch
-from echo_p2p.train.forward import forward_logits, rounded_weights
+from echo_p2p.train.forward import forward_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from echo_p2p.guard.sampling_check import SamplingCheckConfig
     from echo_p2p.train.batching import Batch
     from echo_p2p.train.config import DerivedSettings
+    from echo_p2p.train.forward import RowsReader
     from echo_p2p.train.scored import ScoredGroup
 
 #: The model holding a policy version's weights, or None when they are not at hand
 ModelAt = Callable[[int], "torch.nn.Module | None"]
 
-#: Logit elements (rows x positions x vocabulary) computed at once
+#: Logit elements (tokens x vocabulary) turned into sampling distributions at once
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -100,7 +101,10 @@ class DrawCheck:
         self.largest_distance = 0.0
 
     def pick(
-        self, groups: Sequence[ScoredGroup], own_pass: Callable[[int], bool] | None = None
+        self,
+        groups: Sequence[ScoredGroup],
+        own_pass: Callable[[int], bool] | None = None,
+        free: frozenset[int] = frozenset(),
     ) -> list[list[int]]:
         """Per group, the indices of the completions to replay (none for a group without a seed).
 
@@ -108,7 +112,8 @@ class DrawCheck:
         or one split between micro-batches; None: none does). Every completion of a sender's first
         ``seed_probation`` groups is picked; after it, each completion with probability ``seed_check_share``.
         Those needing a pass of their own are picked at few versions per batch: the versions that no
-        probation group brings to a pass anyway are the candidates; ``k = ceil(share * m)`` of the ``m`` are
+        probation group, nor another check (``free``: the duplicate test's passes), brings to a pass anyway are
+        the candidates; ``k = ceil(share * m)`` of the ``m`` are
         drawn uniformly at random, and each completion of theirs is picked with probability ``share * m / k``.
         Any completion is still picked with probability ``share`` whatever version its group claims (a rare
         version is as likely drawn as a common one), but a batch costs at most ``k`` forward passes (one while
@@ -132,7 +137,7 @@ class DrawCheck:
                 out.append([])
                 later.append(index)
         needs = own_pass or (lambda g: False)
-        passes = {groups[g].policy_version for g, p in enumerate(out) if p and needs(g)}
+        passes = {groups[g].policy_version for g, p in enumerate(out) if p and needs(g)} | free
         candidates = sorted({groups[g].policy_version for g in later if needs(g)} - passes)
         focus: set[int] = set()
         rate = share
@@ -176,10 +181,39 @@ class DrawCheck:
             if model is None:
                 self.unchecked += len({index for index, _ in rows})
                 continue
-            for (index, _), worst in zip(rows, self._replay(groups, rows, model), strict=True):
-                self._record(groups, out, index, worst)
+            forward_rows(
+                model,
+                self.sequences(groups, rows),
+                self.derived.pad_token_id,
+                self.derived.policy_precision,
+                [self.reader(groups, rows, 0, out)],
+            )
         self.seconds += time.perf_counter() - started
         return out
+
+    @staticmethod
+    def sequences(
+        groups: Sequence[ScoredGroup], rows: list[tuple[int, int]]
+    ) -> list[tuple[list[int], list[int]]]:
+        """The (prompt, completion) token ids of ``rows`` (group index, completion index)."""
+        return [
+            (list(groups[i].group.prompt_token_ids), list(groups[i].group.completions[k].token_ids))
+            for i, k in rows
+        ]
+
+    def reader(
+        self, groups: Sequence[ScoredGroup], rows: list[tuple[int, int]], first: int, out: list[Replay | None]
+    ) -> RowsReader:
+        """A ``forward.forward_rows`` reader that replays ``rows`` (rows ``first`` on of the pass) into
+        ``out``."""
+
+        def read(start: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+            lo, hi = max(first, start), min(first + len(rows), start + int(input_ids.shape[0]))
+            if lo < hi:
+                part, at = rows[lo - first : hi - first], [i - start for i in range(lo, hi)]
+                self.replay_logits(groups, part, at, logits, int(input_ids.shape[1]), out, timed=False)
+
+        return read
 
     def replay_logits(
         self,
@@ -189,11 +223,13 @@ class DrawCheck:
         logits: torch.Tensor,
         width: int,
         out: list[Replay | None],
+        timed: bool = True,
     ) -> None:
         """Replay ``rows`` (group index, completion index) from the logits a forward pass under the weights of
-        their groups' version already made (the loss's own: no forward of its own): ``logits`` of the last
-        positions of a right-padded batch ``width`` columns wide, ``at[i]`` the batch row of ``rows[i]``. What
-        each group's replay found goes into ``out`` (as ``misses`` returns it)."""
+        their groups' version already made (the loss's own, or a pass shared with the duplicate test): ``logits``
+        of the last positions of a right-padded batch ``width`` columns wide, ``at[i]`` the batch row of
+        ``rows[i]``. What each group's replay found goes into ``out`` (as ``misses`` returns it); ``timed``: the
+        seconds it takes count in ``seconds`` (not where the caller counts the pass's)."""
         if not rows:
             return
         started = time.perf_counter()
@@ -201,7 +237,8 @@ class DrawCheck:
             worst = self._worst(groups, rows, at, logits.detach(), width - logits.shape[1])
         for (index, _), far in zip(rows, worst, strict=True):
             self._record(groups, out, index, far)
-        self.seconds += time.perf_counter() - started
+        if timed:
+            self.seconds += time.perf_counter() - started
 
     def _record(
         self, groups: Sequence[ScoredGroup], out: list[Replay | None], index: int, worst: float
@@ -213,33 +250,6 @@ class DrawCheck:
         self.replayed += 1
         self.missed += missed
         out[index] = Replay(before.missed + missed, max(before.worst, worst), tolerance)
-
-    def _replay(
-        self, groups: Sequence[ScoredGroup], rows: list[tuple[int, int]], model: torch.nn.Module
-    ) -> list[float]:
-        """For each (group index, completion index) in ``rows``: the farthest its tokens' uniforms lie outside
-        their intervals (0: every token is the draw of its uniform), from forward passes of ``model``."""
-        pad = self.derived.pad_token_id
-        device = next(model.parameters()).device
-        seqs = [
-            (list(groups[i].group.prompt_token_ids), list(groups[i].group.completions[k].token_ids))
-            for i, k in rows
-        ]
-        longest = max(len(p) + len(c) for p, c in seqs)
-        # rows per forward: bounded by the logits they make
-        per = max(1, _CHUNK_ELEMENTS // (longest * _vocab(model)))
-        out: list[float] = []
-        for start in range(0, len(rows), per):
-            part, chunk = rows[start : start + per], seqs[start : start + per]
-            width = max(len(p) + len(c) for p, c in chunk)
-            keep = width - min(len(p) for p, _ in chunk) + 1
-            input_ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in chunk])
-            mask = torch.tensor([[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for p, c in chunk])
-            with torch.no_grad(), rounded_weights(model, self.derived.policy_precision):
-                logits = forward_logits(model, input_ids.to(device), mask.to(device), keep)
-                out += self._worst(groups, part, list(range(len(part))), logits, width - logits.shape[1])
-                del logits
-        return out
 
     def _worst(
         self,
@@ -285,23 +295,18 @@ class DrawCheck:
         return [float(d.max()) if len(d) else 0.0 for d in distance.split(lengths)]
 
 
-def _vocab(model: torch.nn.Module) -> int:
-    """The model's vocabulary size (1 when it does not say: a bound on rows per forward only)."""
-    if hasattr(model, "get_input_embeddings"):
-        return int(model.get_input_embeddings().weight.shape[0])
-    return 1
-
-
 class BatchReplay:
     """The replay of one batch's picked completions, made while the learner computes its loss.
 
-        A group at the version being trained whose rows all lie in one micro-batch is replayed from the logits of
-        that micro-batch's loss (``from_logits``, called for every micro-batch in order): the check costs it no
-        forward pass. The others (older versions, from the kept weights; a group split between micro-batches,
-        whose replay must be complete before the first part's backward, since it is left out of the loss whole)
-        are replayed ahead, at construction, picked at few versions per batch (``DrawCheck.pick``; ``at_hand(v)``:
-    whether version ``v``'s weights are held, those that are not are never the versions drawn). ``misses``: per
-    group, what its replay found so far."""
+    A group at the version being trained whose rows all lie in one micro-batch is replayed from the logits of
+    that micro-batch's loss (``from_logits``, called for every micro-batch in order): the check costs it no
+    forward pass. The others (older versions, from the kept weights; a group split between micro-batches,
+    whose replay must be complete before the first part's backward, since it is left out of the loss whole)
+    are replayed ahead of the loss: ``ahead`` names them per weights, and the learner reads them
+    (``DrawCheck.reader``) in the passes it makes for the duplicate test under the same weights
+    (``train.repeat_check``). They are picked at few versions per batch (``DrawCheck.pick``), among those the
+    duplicate test does not pass anyway (``free``); ``at_hand(v)``: whether version ``v``'s weights are held
+    (a group at one that is not is ``unchecked``). ``misses``: per group, what its replay found so far."""
 
     def __init__(
         self,
@@ -309,8 +314,8 @@ class BatchReplay:
         groups: Sequence[ScoredGroup],
         micro: Sequence[Batch],
         current_version: int | None,
-        model_at: ModelAt,
         at_hand: Callable[[int], bool] | None = None,
+        free: frozenset[int] = frozenset(),
     ) -> None:
         self.check, self.groups = check, groups
         self.in_loss = {
@@ -320,12 +325,25 @@ class BatchReplay:
             and (current_version is None or groups[g].policy_version == current_version)
         }
         held = at_hand or (lambda version: True)
-        self.picks = check.pick(groups, lambda g: g not in self.in_loss and held(groups[g].policy_version))
+        self.picks = check.pick(
+            groups, lambda g: g not in self.in_loss and held(groups[g].policy_version), free
+        )
         self.starts = [0]  # each group's first row in the batch (rows: groups in order, then completions)
         for scored in groups:
             self.starts.append(self.starts[-1] + len(scored.group.completions))
-        ahead = [[] if g in self.in_loss else p for g, p in enumerate(self.picks)]
-        self.misses = check.misses(groups, ahead, model_at)
+        self.misses: list[Replay | None] = [None] * len(groups)
+        #: the picked completions replayed ahead of the loss, per weights (None: the policy's; a version: the
+        #: weights kept for it)
+        self.ahead: dict[int | None, list[tuple[int, int]]] = {}
+        for g, picked in enumerate(self.picks):
+            if g in self.in_loss or not picked:
+                continue
+            version = groups[g].policy_version
+            if not held(version):
+                check.unchecked += 1
+                continue
+            key = None if current_version is None or version == current_version else version
+            self.ahead.setdefault(key, []).extend((g, k) for k in picked)
         self._row0 = 0  # the batch row of the next micro-batch's first
 
     def from_logits(self, mb: Batch, logits: torch.Tensor) -> bool:

@@ -1,9 +1,11 @@
 """The learner's forward passes: logits of the positions that matter, with the weights the loss sees.
 
 Owned here: ``forward_logits`` (a transformers causal LM computes logits only for the last ``keep`` positions
-when it can, ``logits_to_keep``) and ``rounded_weights`` (the model's float weights rounded to the policy's
-precision while open, the fp32 masters put back after). Called by ``train.learner`` (the loss, the duplicate
-test), ``train.draw_check`` (replays of seeded draws), ``export`` and benchmarks. Must not import hivemind.
+when it can, ``logits_to_keep``), ``rounded_weights`` (the model's float weights rounded to the policy's
+precision while open, the fp32 masters put back after) and ``forward_rows`` (passes without gradient over
+prompt + completion rows, a bounded number of logits at a time: the checks that score rows ahead of the loss).
+Called by ``train.learner`` (the loss), ``train.ahead_pass`` and ``train.draw_check`` (rows scored ahead of
+the loss), ``export`` and benchmarks. Must not import hivemind.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,3 +62,49 @@ def rounded_weights(model: torch.nn.Module, precision: str) -> Iterator[None]:
         with torch.no_grad():
             for p, master in masters:
                 p.copy_(master)
+
+
+#: Logit elements (rows x positions x vocabulary) ``forward_rows`` computes at once
+ROW_LOGIT_ELEMENTS = 1 << 24
+
+#: What ``forward_rows`` hands each chunk to: the index of its first row, its right-padded ``input_ids``
+#: [rows, width] and the logits of its last positions (``logits[:, j]`` is position ``width - K + j``)
+RowsReader = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def forward_rows(
+    model: torch.nn.Module,
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_token_id: int,
+    precision: str,
+    readers: Sequence[RowsReader],
+) -> None:
+    """Forward passes of ``model`` without gradient, with its weights at ``precision``, over ``rows`` of
+    (prompt ids, completion ids), right-padded, as few rows at a time as keep the logits under
+    ``ROW_LOGIT_ELEMENTS``; each of ``readers`` gets each chunk's logits of the positions that predict a completion
+    token (from the one before its earliest completion token to the end)."""
+    if not rows:
+        return
+    device = next(model.parameters()).device
+    vocab = _vocab(model)
+    longest = max(len(p) + len(c) for p, c in rows)
+    per = max(1, ROW_LOGIT_ELEMENTS // (longest * vocab))
+    with torch.no_grad(), rounded_weights(model, precision):
+        for start in range(0, len(rows), per):
+            chunk = rows[start : start + per]
+            width = max(len(p) + len(c) for p, c in chunk)
+            keep = width - min(len(p) for p, _ in chunk) + 1
+            ids = [list(p) + list(c) + [pad_token_id] * (width - len(p) - len(c)) for p, c in chunk]
+            mask = [[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for p, c in chunk]
+            input_ids = torch.tensor(ids, device=device)
+            logits = forward_logits(model, input_ids, torch.tensor(mask, device=device), keep)
+            for read in readers:
+                read(start, input_ids, logits)
+            del logits
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    """The model's vocabulary size (1 when it does not say: a bound on rows per forward only)."""
+    if hasattr(model, "get_input_embeddings"):
+        return int(model.get_input_embeddings().weight.shape[0])
+    return 1

@@ -34,7 +34,7 @@ from echo_p2p.guard.sampling_check import (
 from echo_p2p.train.batching import Batch, build_batch, split_micro_batches
 from echo_p2p.train.config import DerivedSettings, GRPOConfig
 from echo_p2p.train.draw_check import BatchReplay, DrawCheck, Replay
-from echo_p2p.train.forward import forward_logits, rounded_weights
+from echo_p2p.train.forward import forward_logits, forward_rows, rounded_weights
 from echo_p2p.train.grpo import grpo_loss, token_logprobs
 from echo_p2p.train.memory import memory_token_limit
 from echo_p2p.train.past_weights import PastWeights
@@ -191,12 +191,12 @@ class Learner:
             gap_allowance,
             current_version,
             self.past,
-            self.model,
             run,
             self._repeat_order,
         )
         repeats = evidence.evidence
-        replay = self._draw_replay(groups, micro, current_version)
+        replay = self._draw_replay(groups, micro, current_version, evidence.ahead)
+        self._score_ahead(groups, evidence, replay)
         draw_misses = replay.misses if replay is not None else [None] * len(groups)
         bound = math.log(check.duplicate_exclude_e) if check is not None else 0.0
 
@@ -352,23 +352,54 @@ class Learner:
         return out
 
     def _draw_replay(
-        self, groups: Sequence[ScoredGroup], micro: list[Batch], current_version: int | None
+        self,
+        groups: Sequence[ScoredGroup],
+        micro: list[Batch],
+        current_version: int | None,
+        passes: dict[int | None, Any],
     ) -> BatchReplay | None:
         """The replay of the groups' seeded draws (``train.draw_check``), under the weights of the version each
-        claims: kept ones, or the policy's own (from the loss's logits) for the version being trained."""
+        claims: kept ones, or the policy's own (from the loss's logits) for the version being trained.
+        ``passes``: the weights the duplicate test scores rows under ahead of the loss (None: the policy's)."""
         if self.draws is None:
             return None
-
-        def model_at(version: int) -> torch.nn.Module | None:
-            if current_version is None or version == current_version:
-                return self.model  # the policy itself: no copy of the kept weights into the scorer
-            return self.past.model_at(version) if self.past is not None and version in self.past else None
 
         def at_hand(version: int) -> bool:
             held = self.past is not None and version in self.past
             return current_version is None or version == current_version or held
 
-        return BatchReplay(self.draws, groups, micro, current_version, model_at, at_hand)
+        free = {current_version if key is None else key for key in passes}
+        return BatchReplay(
+            self.draws, groups, micro, current_version, at_hand, frozenset(v for v in free if v is not None)
+        )
+
+    def _score_ahead(
+        self, groups: Sequence[ScoredGroup], evidence: BatchRepeats, replay: BatchReplay | None
+    ) -> None:
+        """The rows the duplicate test and the replay of seeded draws score ahead of the loss, one pass per
+        weights for both (``forward.forward_rows``): the policy's, or a version's kept weights. The replay's
+        seconds take its rows' share of each pass."""
+        draws_ahead = replay.ahead if replay is not None else {}
+        for key in sorted(set(evidence.ahead) | set(draws_ahead), key=lambda k: -1 if k is None else k):
+            repeat_rows, draw_rows = evidence.ahead.get(key, []), draws_ahead.get(key, [])
+            assert key is None or self.past is not None  # a version's rows: only where its weights are kept
+            model = self.model if key is None else self.past.model_at(key)
+            readers = [evidence.reader(repeat_rows, 0)]
+            if replay is not None:
+                readers.append(replay.check.reader(groups, draw_rows, len(repeat_rows), replay.misses))
+            started = time.perf_counter()
+            forward_rows(
+                model,
+                [(groups[g].group.prompt_token_ids, ids) for g, ids in repeat_rows]
+                + DrawCheck.sequences(groups, draw_rows),
+                self.derived.pad_token_id,
+                self.derived.policy_precision,
+                readers,
+            )
+            if replay is not None and draw_rows:
+                share = len(draw_rows) / (len(draw_rows) + len(repeat_rows))
+                replay.check.seconds += (time.perf_counter() - started) * share
+        evidence.finish_ahead()
 
     def _exclude_unsampled(
         self, mask: torch.Tensor, mb: Batch, scores: list[CompletionScore], allowance: torch.Tensor | None

@@ -13,9 +13,11 @@ Where those log-probabilities come from: a group scored under the policy whose r
 micro-batch takes them from that micro-batch's loss (``BatchRepeats.from_logprobs``: the same weights and
 distribution, no forward of its own); the others (kept weights of an older version, or rows split between
 micro-batches: a group left out of the loss is left out whole, so its evidence must be complete before the
-first part's backward) from a forward pass without gradient before the loss (``sequence_logprobs``).
+first part's backward) from a forward pass without gradient before the loss: ``BatchRepeats.ahead`` names
+those rows per weights, and the learner reads them (``BatchRepeats.reader``) in the same passes as the rows the
+replay of seeded draws scores ahead under the same weights (``train.draw_check``; one pass per version for both).
 
-Owned here: ``BatchRepeats``, ``sequence_logprobs``. Called by ``train.learner``. Must not import hivemind.
+Owned here: ``BatchRepeats``. Called by ``train.learner``. Must not import hivemind.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ import torch
 
 from echo_p2p.guard.sampling_check import duplicate_log_e
 from echo_p2p.train.batching import groups_in_one_micro_batch
-from echo_p2p.train.forward import forward_logits, rounded_weights
 from echo_p2p.train.grpo import token_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     from echo_p2p.guard.sampling_check import SamplingCheckConfig
     from echo_p2p.train.batching import Batch
     from echo_p2p.train.config import DerivedSettings
+    from echo_p2p.train.forward import RowsReader
     from echo_p2p.train.past_weights import PastWeights
     from echo_p2p.train.scored import ScoredGroup
 
@@ -46,7 +48,7 @@ class BatchRepeats:
 
     ``evidence``: per group, the log of its duplicate e-value, or None when not tested (the check or its
     duplicate test off, or the group's allowance unknown); complete for every group once ``from_logprobs``
-    has seen every micro-batch (a group without repeats, or scored ahead, is complete at construction)."""
+    has seen every micro-batch (a group not scored in the loss is complete once ``finish_ahead`` is called)."""
 
     def __init__(
         self,
@@ -56,7 +58,6 @@ class BatchRepeats:
         allowance: Sequence[float | None] | None,
         current_version: int | None,
         past: PastWeights | None,
-        model: torch.nn.Module,
         derived: DerivedSettings,
         order: random.Random,
     ) -> None:
@@ -66,11 +67,14 @@ class BatchRepeats:
             allowance,
             current_version,
         )
-        self.past, self.order = past, order
+        self.past, self.order, self.derived = past, order, derived
         self.evidence: list[float | None] = [None] * len(groups)
         self.in_loss: set[int] = set()
         self._logprob: dict[Row, float] = {}
         self._row0 = 0  # the batch row of the next micro-batch's first
+        #: the rows scored ahead of the loss, per weights (None: the policy's; a version: the weights kept for
+        #: it): read by ``reader`` from the learner's passes, then ``finish_ahead``
+        self.ahead: dict[int | None, list[Row]] = {}
         if check is None or check.duplicate_bet <= 0:
             return
         judged = [allowance is None or allowance[i] is not None for i in range(len(groups))]
@@ -84,18 +88,45 @@ class BatchRepeats:
                 if any(n > 1 for n in seen.values()):
                     repeated[index] = [ids for ids, n in seen.items() if n > 1]
         self.in_loss = {g for g in groups_in_one_micro_batch(micro) & set(repeated) if self._kept(g) is None}
-        ahead = [(g, ids) for g, rows in repeated.items() if g not in self.in_loss for ids in rows]
-        for version in {self._kept(g) for g, _ in ahead}:
-            rows = [row for row in ahead if self._kept(row[0]) == version]
-            weights = model if version is None or past is None else past.model_at(version)
-            self._logprob.update(zip(rows, sequence_logprobs(weights, groups, rows, derived), strict=True))
+        for g, rows in repeated.items():
+            if g not in self.in_loss:
+                self.ahead.setdefault(self._kept(g), []).extend((g, ids) for ids in rows)
         self._repeated = repeated
+        self._judged = judged
         self.starts = [0]  # each group's first row in the batch (rows: groups in order, then completions)
         for scored in groups:
             self.starts.append(self.starts[-1] + len(scored.group.completions))
-        for index in range(len(groups)):
-            if judged[index] and index not in self.in_loss:
+
+    def finish_ahead(self) -> None:
+        """The evidence of every group not scored in the loss, once ``reader`` has read the rows of
+        ``ahead``."""
+        if self.check is None or self.check.duplicate_bet <= 0:
+            return
+        for index in range(len(self.groups)):
+            if self._judged[index] and index not in self.in_loss:
                 self.evidence[index] = self._evidence(index)
+
+    def reader(self, rows: list[Row], first: int) -> RowsReader:
+        """A ``forward.forward_rows`` reader that takes the sequence log-probability of ``rows`` (rows
+        ``first`` on of the pass) under the sampling distribution (the loss's ``token_logprobs``)."""
+        derived = self.derived
+
+        def read(start: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+            lo, hi = max(first, start), min(first + len(rows), start + int(input_ids.shape[0]))
+            if lo >= hi:
+                return
+            local = torch.arange(lo - start, hi - start, device=logits.device)
+            logp = token_logprobs(
+                logits[local], input_ids[local], derived.temperature, derived.top_k, derived.top_p
+            )
+            mask = torch.zeros(logp.shape, dtype=torch.float32)
+            for r, (g, ids) in enumerate(rows[lo - first : hi - first]):
+                prompt = len(self.groups[g].group.prompt_token_ids)
+                mask[r, prompt : prompt + len(ids)] = 1
+            sums = (logp.float().cpu() * mask).sum(1).tolist()
+            self._logprob.update(zip(rows[lo - first : hi - first], sums, strict=True))
+
+        return read
 
     def _kept(self, index: int) -> int | None:
         """The version whose kept weights score this group's repeats; None: the policy's."""
@@ -139,34 +170,3 @@ class BatchRepeats:
             self.evidence[g] = self._evidence(g)
             done = True
         return done
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    groups: Sequence[ScoredGroup],
-    rows: list[Row],
-    derived: DerivedSettings,
-    chunk: int = 64,
-) -> list[float]:
-    """Log-probability of each (group index, completion) in ``rows`` after its group's prompt, under the
-    sampling distribution (the loss's ``token_logprobs``) of ``model`` at the policy's precision, without
-    gradient."""
-    pad, out = derived.pad_token_id, []
-    device = next(model.parameters()).device
-    for start in range(0, len(rows), chunk):
-        part = rows[start : start + chunk]
-        seqs = [(list(groups[i].group.prompt_token_ids), list(ids)) for i, ids in part]
-        width = max(len(p) + len(c) for p, c in seqs)
-        input_ids = torch.tensor([p + c + [pad] * (width - len(p) - len(c)) for p, c in seqs])
-        mask = torch.zeros_like(input_ids)
-        completion = torch.zeros(input_ids.shape, dtype=torch.float32)
-        for row, (p, c) in enumerate(seqs):
-            mask[row, : len(p) + len(c)] = 1
-            completion[row, len(p) : len(p) + len(c)] = 1
-        with torch.no_grad(), rounded_weights(model, derived.policy_precision):
-            input_ids, mask = input_ids.to(device), mask.to(device)
-            logits = forward_logits(model, input_ids, mask)
-            logp = token_logprobs(logits, input_ids, derived.temperature, derived.top_k, derived.top_p)
-            del logits
-        out += (logp.float().cpu() * completion).sum(1).tolist()
-    return out

@@ -228,6 +228,40 @@ def test_groups_at_the_trained_version_are_replayed_from_the_losss_own_logits(po
         hook.remove()
 
 
+def test_the_duplicate_test_and_the_replay_share_one_pass_per_stale_version(policy):
+    """Rows both checks score ahead of the loss under a version's kept weights go through one forward pass:
+    here a batch at version 4 trained at version 5, its picked completions (all: probation) and a group's
+    repeated completion; what each check finds is what it finds alone."""
+    model, tokenizer = policy
+    derived = DerivedSettings(pad_token_id=tokenizer.pad_token_id)
+    batch = drawn_groups(model, tokenizer, "s", 4, seed=40, version=4)
+    comps = list(batch[1].group.completions)
+    comps[1] = comps[0]  # a completion sent twice: a repeat, and not the draw of its seed at index 1
+    batch[1] = ScoredGroup(batch[1].group.model_copy(update={"completions": comps}), batch[1].rewards)
+    alone = DrawCheck(SamplingCheckConfig(), derived).misses(batch, [list(range(G))] * 4, lambda v: model)
+    learner = Learner(
+        model, GRPOConfig(max_grad_norm=None), derived=derived, sampling_check=SamplingCheckConfig()
+    )
+    learner.past.record(4)
+    forwards = []
+    scorer = learner.past.model_at(
+        4
+    )  # the copy that holds kept weights (made before the hook: no copy of it)
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
+    scorer_hook = scorer.register_forward_pre_hook(lambda module, args: forwards.append(-args[0].shape[0]))
+    try:
+        learner.compute_gradients(batch, current_version=5)
+    finally:
+        hook.remove()
+        scorer_hook.remove()
+    model.zero_grad(set_to_none=True)
+    # one pass under version 4's weights: its repeated completion (1 row) and the 4 x G picked ones
+    assert sorted(forwards) == [-(1 + 4 * G), 4 * G], forwards
+    got = learner.last_group_draw_misses
+    assert [r.missed for r in got] == [r.missed for r in alone] and got[1].missed >= 1
+    assert learner.last_group_repeats[1] is not None and learner.last_group_repeats[0] is not None
+
+
 def test_a_near_miss_is_a_strike_and_its_second_within_the_window_a_ban():
     """A miss within twice its tolerance (a sampler whose precision is worse than it claims could make one) is
     a strike and leaves the group out; the sender is banned at its ``seed_ban_alarms``-th (2)."""
