@@ -27,7 +27,12 @@ token most members hold, then the greatest token):
   state (parameters, optimizer statistics, epoch, token) from a peer (``load_state_from_peers``), with
   its own state sharing switched off meanwhile so that it never downloads from another out-of-sync peer;
 - a member whose round failed while other trainers are known does the same (best effort: when no peer
-  serves its state, the next round's comparison decides).
+  serves its state, the next round's comparison decides);
+- a member whose averages arrived only in part (hivemind kept its own values for the missing parts) takes a
+  lineage of its own and downloads nothing yet: the next shared round's reference rule decides which of the
+  lineages the trainers keep, and only those off it download (a round can come back partial for every member
+  at once: each downloading from the others, they refused each other's state as older than their own and
+  the next round found no group until ``averaging_timeout``).
 
 So two trainers hold the same state after every epoch they averaged together (up to the all-reduce's float
 rounding, ~1e-7 relative), and one failed round is repaired by the next step, or at the latest by the next
@@ -107,7 +112,7 @@ class _TaggedGradientAverager(GradientAverager):
     received 48.7% results") and reports success: that member then applies other gradients than the rest
     of its group under the same epoch. Seen as a 4e-3 parameter difference between two trainers whose every
     round had "agreed". Such a member's own entry in the round's gathered tags is replaced by a marker no
-    tag parses to, so ``SyncedOptimizer._after_epoch`` finds it off the reference and it downloads the state.
+    tag parses to, so ``SyncedOptimizer._after_epoch`` gives it a lineage of its own.
     (This runs in the averager's child process; the gathered dict is what reaches the trainer's process.)"""
 
     tag_fn: Any = None
@@ -215,7 +220,7 @@ class SyncedOptimizer(hivemind.Optimizer):
         self.sync_token = fresh_token()
         self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
         self.sync_stats = dict(
-            agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, advanced=0
+            agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, advanced=0, partial=0
         )
         self._must_resync = False
         self._round_tags: dict[str, SyncTag | None] | None = None
@@ -331,6 +336,19 @@ class SyncedOptimizer(hivemind.Optimizer):
             else:
                 self.sync_stats["solo"] += 1
             self.in_sync = not others
+        elif tags[me] is None:  # our averages arrived only in part (``_TaggedGradientAverager.PARTIAL``)
+            # a lineage of our own, and no download now: every member of a round that came back partial for
+            # all of them would download at once from the others, each refusing the others' state as older
+            # than its own, and the next round would wait for members busy downloading. The next shared
+            # round's reference rule picks one lineage, and only the members off it download.
+            logger.info(
+                "gradient round of epoch %d arrived only in part: a lineage of our own; the next shared round "
+                "decides which state the trainers keep",
+                epoch,
+            )
+            self.sync_token = fresh_token()
+            self.in_sync = False
+            self.sync_stats["partial"] += 1
         else:
             reference = choose_reference(tags.values())
             if tags[me] == before == reference:

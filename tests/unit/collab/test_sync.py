@@ -49,7 +49,9 @@ class _Fake(SyncedOptimizer):
         )
         self.state_averager = SimpleNamespace(local_epoch=epoch, sync_tag=None)
         self.sync_token, self.in_sync, self._must_resync, self._round_tags = token, False, False, None
-        self.sync_stats = dict(agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0)
+        self.sync_stats = dict(
+            agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, partial=0
+        )
 
     def __del__(self) -> None:  # hivemind's would shut a swarm down
         pass
@@ -129,17 +131,36 @@ def test_an_idle_trainer_behind_the_swarm_catches_up_and_one_level_with_it_does_
     assert not failing.catch_up() and failing.downloads == 2
 
 
-def test_a_member_whose_averages_arrived_only_in_part_is_off_the_reference_and_downloads() -> None:
+def test_members_whose_averages_arrived_in_part_keep_their_states_until_the_next_round_picks_one() -> None:
+    """A member whose averages arrived only in part takes a lineage of its own and downloads nothing yet; the
+    next shared round's reference rule picks one lineage and only the members off it download. When the round
+    came back partial for both trainers (the soak's stall: both downloaded at once, each refused the other's
+    state as older than its own), exactly one of them downloads after the next round."""
     from echo_p2p.collab.sync import _TaggedGradientAverager, parse_tag
 
-    a, b = _Fake("A", 4, "t", 2), _Fake("B", 4, "t", 2)
-    full = {"A": (4, "t"), "B": (4, "t")}
-    marked = {"A": (4, "t"), "B": parse_tag(_TaggedGradientAverager.PARTIAL)}  # B's own view of the round
-    a.transition(dict(full))
-    b.transition(marked)
-    assert a.in_sync and not a._must_resync and a.sync_stats["agreed"] == 1
-    assert not b.in_sync and b._must_resync and b.sync_stats["diverged"] == 1
-    assert b.sync_token != a.sync_token  # never served as A's lineage
+    partial = parse_tag(_TaggedGradientAverager.PARTIAL)
+    for partial_members in (["B"], ["A", "B"]):
+        a, b = _Fake("A", 4, "t", 2), _Fake("B", 4, "t", 2)
+        for opt in (a, b):
+            view = {"A": (4, "t"), "B": (4, "t")}  # its own view of the round
+            if opt.dht.peer_id in partial_members:
+                view[opt.dht.peer_id] = partial
+            opt.transition(view)
+        for opt in (a, b):
+            mine = opt.dht.peer_id in partial_members
+            assert opt.in_sync is not mine and not opt._must_resync and not opt.behind_swarm()
+            assert opt.sync_stats["partial"] == int(mine)
+        assert a.sync_token != b.sync_token  # a partial state is never served as the other's lineage
+        # the next shared round: both tags gathered; one lineage is the reference, the other downloads
+        tags = {"A": a.sync_tag, "B": b.sync_tag}
+        keeper = max(("A", "B"), key=lambda peer: tags[peer][1])
+        agreed = {opt.dht.peer_id: opt.sync_stats["agreed"] for opt in (a, b)}
+        a.transition(dict(tags))
+        b.transition(dict(tags))
+        downloads = {opt.dht.peer_id for opt in (a, b) if opt._must_resync}
+        assert downloads == {"A", "B"} - {keeper}, (partial_members, keeper, downloads)
+        kept = a if keeper == "A" else b
+        assert kept.in_sync and kept.sync_stats["agreed"] == agreed[keeper] + 1
 
 
 class _Round:
