@@ -387,12 +387,12 @@ class CollabTrainerStep:
         model holds the swarm's final parameters of this version: call before a checkpoint or a result."""
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
-    def catch_up(self) -> bool:
+    def catch_up(self, force: bool = False) -> bool:
         """For a trainer with nothing to train on: when other trainers are ahead (or the last round asked
-        for a download), load their state now (``SyncedOptimizer.catch_up``). True when a state was loaded;
-        ``version`` then says where this trainer stands."""
+        for a download), load their state now (``SyncedOptimizer.catch_up``; ``force``: whatever the progress
+        records say). True when a state was loaded; ``version`` then says where this trainer stands."""
         catch_up = getattr(self.optimizer, "catch_up", None)
-        return bool(catch_up()) if catch_up is not None else False
+        return bool(catch_up(force=force)) if catch_up is not None else False
 
     def advance_to(self, version: int) -> bool:
         """Hold ``version`` from now on with the weights this trainer has (``SyncedOptimizer.advance_to``):

@@ -380,12 +380,13 @@ class SyncedOptimizer(hivemind.Optimizer):
         download that no step has done yet."""
         return self._must_resync or self.tracker.global_epoch > self.local_epoch
 
-    def catch_up(self) -> bool:
-        """Download the swarm's state now, outside ``step``, when ``behind_swarm``: for a trainer that has
-        nothing to step on *because* it is behind (an async trainer refuses rollouts of versions it has not
-        reached; a sync trainer asks for a version nobody serves any more), ``step`` would never come.
+    def catch_up(self, force: bool = False) -> bool:
+        """Download the swarm's state now, outside ``step``, when ``behind_swarm`` (or ``force``: the caller
+        knows better than the progress records, e.g. a live trainer announces a newer version): for a trainer
+        that has nothing to step on *because* it is behind (an async trainer refuses rollouts of versions it
+        has not reached; a sync trainer asks for a version nobody serves any more), ``step`` would never come.
         True when a state was loaded."""
-        if not self.behind_swarm():
+        if not force and not self.behind_swarm():
             return False
         self._must_resync = False
         logger.info(

@@ -63,12 +63,11 @@ class CatchUp:
             return
         before = self.stepper.version
         try:
-            loaded = self.stepper.catch_up()
+            loaded = self.stepper.catch_up() or self._behind_unseen(before)
         finally:
             ended = time.monotonic()
             self._next_at = ended + max(CATCH_UP_EVERY, 4 * (ended - now))
         if not loaded:
-            self._maybe_go_on_alone(before)
             return
         self.downloads += 1
         after = self.stepper.version
@@ -77,21 +76,30 @@ class CatchUp:
         if self.reached(after):
             logger.info("%s caught up with the other trainers: version %d -> %d", self.prefix, before, after)
 
-    def _maybe_go_on_alone(self, before: int) -> None:
-        """Behind a published version that no live trainer can give us (``orphaned_version``): hold the
-        version after it with our own weights instead of refusing every rollout for good. Looked at only
-        when pushes were refused as ``future_version`` since the last look (the directory reads cost)."""
+    def _behind_unseen(self, before: int) -> bool:
+        """The progress records did not show this trainer behind, yet pushes were refused as ``future_version``
+        since the last look (samplers hold a newer version than ours): read the directory. A live trusted
+        trainer announcing a version above ours: download its state anyway (``catch_up(force=True)``; a
+        trainer whose progress reads missed its partner's epoch refused every rollout for minutes while the
+        samplers pushed it nothing else). Nobody alive holds it: go on after the orphaned version
+        (``orphaned_version``). True when a state was loaded."""
         refused = self.future_refused()
         if refused <= self._refused_seen:
-            return
+            return False
         self._refused_seen = refused
         try:
-            target = orphaned_version(
-                self.peer_id, before, [e.record for e in self.directory.trainers()],
-                [e.record for e in self.directory.policies()], self.trust,
-            )  # fmt: skip
+            records = [e.record for e in self.directory.trainers()]
+            policies = [e.record for e in self.directory.policies()]
         except Exception:  # the DHT did not answer: try again at the next attempt
-            return
+            return False
+        if live_trainer_ahead(self.peer_id, before, records, self.trust):
+            logger.info(
+                "%s rollouts of versions above %d refused and a live trainer announces one: downloading its state",
+                self.prefix,
+                before,
+            )
+            return self.stepper.catch_up(force=True)
+        target = orphaned_version(self.peer_id, before, records, policies, self.trust)
         if target is not None and self.stepper.advance_to(target):
             self.went_on_alone += 1
             self.drift.record(before, target, None)
@@ -100,6 +108,20 @@ class CatchUp:
                 self.prefix, target - 1, before, target,
             )  # fmt: skip
             self.reached(target)
+        return False
+
+
+def live_trainer_ahead(peer_id: str, version: int, records, trust) -> bool:
+    """Whether a running trusted trainer other than ``peer_id`` announces (``records``) a version above
+    ``version``: it can give its state."""
+    return any(
+        r.role == "trainer"
+        and r.state == "running"
+        and r.peer_id != peer_id
+        and (trust is None or trust.is_trusted(r.peer_id))
+        and (r.policy_version or 0) > version
+        for r in records
+    )
 
 
 def orphaned_version(peer_id: str, version: int, records, policies, trust) -> int | None:

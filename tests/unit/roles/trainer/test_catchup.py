@@ -58,7 +58,7 @@ def test_a_trainer_whose_catch_up_loads_nothing_goes_on_alone_only_after_new_fut
         version = 6
         downloads = 0
 
-        def catch_up(self):
+        def catch_up(self, force=False):
             self.downloads += 1
             return False  # the donor is dead
 
@@ -92,3 +92,61 @@ def test_a_trainer_whose_catch_up_loads_nothing_goes_on_alone_only_after_new_fut
     catch_up._next_at = 0.0
     catch_up.maybe(idle_since=-1e9)  # no new refusal: no new read
     assert directory.reads == 1 and stepper.downloads == 3
+
+
+def test_a_trainer_whose_progress_reads_miss_a_live_trainer_ahead_downloads_its_state_when_refusing_rollouts():
+    """The progress records do not show the trainer behind (its reads missed its partner's epoch), yet the
+    samplers hold a newer version: pushes are refused as future_version and a live trusted trainer announces
+    that version. The trainer downloads the state anyway (a fresh-clone run froze for two minutes: the late
+    trainer at 62 refused every rollout of 63, the samplers pushed it nothing else, its partner starved)."""
+    from types import SimpleNamespace
+
+    from echo_p2p.guard.trust import RunTrust, TrustedTrainers
+    from echo_p2p.net.identity import load_or_create_identity
+    from echo_p2p.net.records import PeerRecord, PolicyRecord
+    from echo_p2p.roles.trainer.catchup import CatchUp, live_trainer_ahead
+
+    partner, me, stranger = (str(load_or_create_identity(None).peer_id) for _ in range(3))
+    trust = RunTrust(fixed=TrustedTrainers.from_keys([partner, me]))
+
+    class Stepper:
+        version = 62
+        asked: list = []
+
+        def catch_up(self, force=False):
+            self.asked.append(force)
+            if force:
+                self.version = 63
+            return force  # the progress records say nothing: only a forced download loads
+
+        def advance_to(self, version):
+            raise AssertionError("a live trainer holds the state: never go on alone")
+
+    records = [
+        PeerRecord(peer_id=me, role="trainer", policy_version=62),
+        PeerRecord(peer_id=partner, role="trainer", policy_version=63),
+    ]
+    directory = SimpleNamespace(
+        trainers=lambda: [SimpleNamespace(record=r) for r in records],
+        policies=lambda: [SimpleNamespace(record=PolicyRecord(peer_id=partner, stream_id="s", version=63))],
+    )
+    stepper, reached, refused = Stepper(), [], [0]
+    catch_up = CatchUp(
+        me, stepper, lambda v: reached.append(v) or True, SimpleNamespace(record=lambda *span: None), directory,
+        trust, lambda: refused[0],
+    )  # fmt: skip
+    catch_up.maybe(idle_since=-1e9)  # nothing refused: no forced download
+    assert stepper.asked == [False] and stepper.version == 62
+    catch_up._next_at = 0.0
+    refused[0] = 50
+    catch_up.maybe(idle_since=-1e9)
+    assert stepper.asked == [False, False, True] and stepper.version == 63 and reached == [63]
+    assert catch_up.downloads == 1 and catch_up.went_on_alone == 0
+    # only a running, trusted trainer other than this one, ahead of it, counts
+    assert live_trainer_ahead(me, 62, records, trust)
+    assert not live_trainer_ahead(me, 63, records, trust)
+    assert not live_trainer_ahead(partner, 63, records, trust)
+    leaving = [PeerRecord(peer_id=partner, role="trainer", state="leaving", policy_version=70)]
+    assert not live_trainer_ahead(me, 62, leaving, trust)
+    forged = [PeerRecord(peer_id=stranger, role="trainer", policy_version=10**6)]
+    assert not live_trainer_ahead(me, 62, forged, trust)
