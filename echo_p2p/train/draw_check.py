@@ -314,7 +314,7 @@ class BatchReplay:
         groups: Sequence[ScoredGroup],
         micro: Sequence[Batch],
         current_version: int | None,
-        at_hand: Callable[[int], bool] | None = None,
+        at_hand: Callable[[int], bool],
         free: frozenset[int] = frozenset(),
     ) -> None:
         self.check, self.groups = check, groups
@@ -324,9 +324,8 @@ class BatchReplay:
             if groups[g].group.sampling_seed
             and (current_version is None or groups[g].policy_version == current_version)
         }
-        held = at_hand or (lambda version: True)
         self.picks = check.pick(
-            groups, lambda g: g not in self.in_loss and held(groups[g].policy_version), free
+            groups, lambda g: g not in self.in_loss and at_hand(groups[g].policy_version), free
         )
         self.starts = [0]  # each group's first row in the batch (rows: groups in order, then completions)
         for scored in groups:
@@ -339,7 +338,7 @@ class BatchReplay:
             if g in self.in_loss or not picked:
                 continue
             version = groups[g].policy_version
-            if not held(version):
+            if not at_hand(version):
                 check.unchecked += 1
                 continue
             key = None if current_version is None or version == current_version else version

@@ -4,8 +4,8 @@ Owned here: ``forward_logits`` (a transformers causal LM computes logits only fo
 when it can, ``logits_to_keep``), ``rounded_weights`` (the model's float weights rounded to the policy's
 precision while open, the fp32 masters put back after) and ``forward_rows`` (passes without gradient over
 prompt + completion rows, a bounded number of logits at a time: the checks that score rows ahead of the loss).
-Called by ``train.learner`` (the loss), ``train.ahead_pass`` and ``train.draw_check`` (rows scored ahead of
-the loss), ``export`` and benchmarks. Must not import hivemind.
+Called by ``train.learner`` (the loss, and the rows the duplicate test and the replay of seeded draws score
+ahead of it), ``train.draw_check`` (a replay of its own), ``export`` and benchmarks. Must not import hivemind.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ class Learner:
             self._repeat_order,
         )
         repeats = evidence.evidence
-        replay = self._draw_replay(groups, micro, current_version, evidence.ahead)
+        replay = self._draw_replay(groups, micro, current_version, set(evidence.ahead))
         self._score_ahead(groups, evidence, replay)
         draw_misses = replay.misses if replay is not None else [None] * len(groups)
         bound = math.log(check.duplicate_exclude_e) if check is not None else 0.0
@@ -356,7 +356,7 @@ class Learner:
         groups: Sequence[ScoredGroup],
         micro: list[Batch],
         current_version: int | None,
-        passes: dict[int | None, Any],
+        passes: set[int | None],
     ) -> BatchReplay | None:
         """The replay of the groups' seeded draws (``train.draw_check``), under the weights of the version each
         claims: kept ones, or the policy's own (from the loss's logits) for the version being trained.
@@ -368,10 +368,9 @@ class Learner:
             held = self.past is not None and version in self.past
             return current_version is None or version == current_version or held
 
-        free = {current_version if key is None else key for key in passes}
-        return BatchReplay(
-            self.draws, groups, micro, current_version, at_hand, frozenset(v for v in free if v is not None)
-        )
+        # the versions those passes hold: a kept version's, or the one being trained for the policy's
+        free = frozenset(current_version if key is None else key for key in passes) - {None}
+        return BatchReplay(self.draws, groups, micro, current_version, at_hand, free)
 
     def _score_ahead(
         self, groups: Sequence[ScoredGroup], evidence: BatchRepeats, replay: BatchReplay | None

@@ -111,17 +111,22 @@ class CatchUp:
         return False
 
 
-def live_trainer_ahead(peer_id: str, version: int, records, trust) -> bool:
-    """Whether a running trusted trainer other than ``peer_id`` announces (``records``) a version above
-    ``version``: it can give its state."""
-    return any(
-        r.role == "trainer"
+def _live_trainers(peer_id: str, records, trust) -> list:
+    """The running trusted trainers other than ``peer_id`` among ``records`` (``PeerRecord``s)."""
+    return [
+        r
+        for r in records
+        if r.role == "trainer"
         and r.state == "running"
         and r.peer_id != peer_id
         and (trust is None or trust.is_trusted(r.peer_id))
-        and (r.policy_version or 0) > version
-        for r in records
-    )
+    ]
+
+
+def live_trainer_ahead(peer_id: str, version: int, records, trust) -> bool:
+    """Whether a running trusted trainer other than ``peer_id`` announces (``records``) a version above
+    ``version``: it can give its state."""
+    return any((r.policy_version or 0) > version for r in _live_trainers(peer_id, records, trust))
 
 
 def orphaned_version(peer_id: str, version: int, records, policies, trust) -> int | None:
@@ -139,8 +144,7 @@ def orphaned_version(peer_id: str, version: int, records, policies, trust) -> in
     newest = max((r for r in policies if trusted(r.peer_id)), key=lambda r: r.version, default=None)
     if newest is None or newest.version <= version:
         return None
-    for r in records:
-        if r.role == "trainer" and r.state == "running" and r.peer_id != peer_id and trusted(r.peer_id):
-            if r.peer_id == newest.peer_id or (r.policy_version or 0) > version:
-                return None  # it is alive (its record may only be a heartbeat old): catching up will do
+    for r in _live_trainers(peer_id, records, trust):
+        if r.peer_id == newest.peer_id or (r.policy_version or 0) > version:
+            return None  # it is alive (its record may only be a heartbeat old): catching up will do
     return newest.version + 1
