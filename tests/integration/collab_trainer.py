@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = TransformersEngine(model, tokenizer)
     rng = random.Random(args.data_seed)
     steps: list[dict] = []
+    agreed: dict[int, dict[str, torch.Tensor]] = {}  # epoch -> parameters right after an agreed transition
     print(f"ready in {time.monotonic() - t_start:.1f}s", flush=True)
     if args.ready_file:
         _write_atomic(Path(args.ready_file), identity.peer_id.encode())
@@ -175,7 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                     policy_version=trainer.version,
                 )
                 groups.append(ScoredGroup(rg, rewards))
+            agreed_before = opt.sync_stats["agreed"]
             res = trainer(groups)
+            if opt.sync_stats["agreed"] > agreed_before and res.version >= args.until_epoch - 1:
+                # the state right after an epoch agreed with the group: the test compares trainers there when
+                # they stopped at different epochs (a round that came back partial for one of them)
+                trainer.settle()
+                agreed[res.version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             steps.append(
                 dict(
                     t=time.monotonic(),
@@ -202,12 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         result = Path(args.result)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         tmp_pt = result.with_name(result.name + ".pt.tmp")
-        torch.save({"epoch": trainer.version, "state": state}, tmp_pt)
+        torch.save({"epoch": trainer.version, "state": state, "agreed": agreed}, tmp_pt)
         os.replace(tmp_pt, result.with_name(result.name + ".pt"))
         _write_atomic(
             result,
             json.dumps(
-                dict(epoch=trainer.version, steps=steps, peer_id=identity.peer_id, sync=opt.sync_stats)
+                dict(
+                    epoch=trainer.version,
+                    steps=steps,
+                    peer_id=identity.peer_id,
+                    sync=opt.sync_stats,
+                    agreed_epochs=sorted(agreed),
+                )
             ).encode(),
         )
         print(f"result written at epoch {trainer.version}, sync {opt.sync_stats}", flush=True)

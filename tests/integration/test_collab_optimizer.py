@@ -4,7 +4,7 @@ Three real trainer processes (``collab_trainer.py``) on 127.0.0.1, each in its o
 bootstraps the DHT, B joins it; both train the same tiny policy on different data (their own samples of
 ``count``) until epoch ``EPOCHS`` and an epoch agreed with the other (one more when the last round failed
 for both), then hold. C joins late, loads the swarm's state and must hold exactly
-A's epoch and parameters without having trained them itself.
+the epoch and parameters of the trainer furthest ahead without having trained them itself.
 """
 
 from __future__ import annotations
@@ -100,26 +100,43 @@ def test_two_trainers_share_epochs_and_parameters_and_a_late_one_catches_up(
     b_info, b_state = _load(b_res)
     # Each stops at EPOCHS once its last epoch was agreed with the other (a failed last round is repaired
     # by a state download or one more shared epoch): then both hold the same epoch and parameters.
-    epoch = a_info["epoch"]
-    assert b_info["epoch"] == epoch and a_state["epoch"] == b_state["epoch"] == epoch
-    assert EPOCHS <= epoch <= EPOCHS + 1, (a_info["sync"], b_info["sync"])
-    diff = _max_diff(a_state["state"], b_state["state"])
+    # One exception: a round whose averages reached one member only in part (hivemind keeps that member's own
+    # values for the missing parts) is agreed for the other, which stops, while the partial member takes a
+    # lineage of its own and waits for the next shared round (``SyncedOptimizer._after_epoch``); with its
+    # partner gone it trains on alone. Then the two are compared where both last agreed, one epoch earlier.
+    if a_info["epoch"] == b_info["epoch"]:
+        epoch = a_info["epoch"]
+        assert a_state["epoch"] == b_state["epoch"] == epoch
+        assert EPOCHS <= epoch <= EPOCHS + 1, (a_info["sync"], b_info["sync"])
+        same_a, same_b = a_state["state"], b_state["state"]
+        for info in (a_info, b_info):  # the last epoch was reached together
+            assert [s for s in info["steps"] if s["after"] > s["before"]][-1]["peers"] == 2, info["steps"]
+    else:
+        ahead = max((a_info, b_info), key=lambda info: info["epoch"])
+        assert ahead["sync"]["partial"] >= 1, ("trainers stopped at different epochs", a_info, b_info)
+        common = set(a_info["agreed_epochs"]) & set(b_info["agreed_epochs"])
+        assert common and max(common) >= EPOCHS - 1, (a_info["agreed_epochs"], b_info["agreed_epochs"])
+        same_a, same_b = a_state["agreed"][max(common)], b_state["agreed"][max(common)]
+    diff = _max_diff(same_a, same_b)
     assert diff <= 1e-5, f"parameters differ by {diff}; sync A {a_info['sync']}, B {b_info['sync']}"
-    # Both really trained (different data each), and the last epoch was reached together with 2 peers.
+    # Both really trained (different data each), and an agreed epoch was reached together with 2 peers.
     for info in (a_info, b_info):
         assert len(info["steps"]) >= 2
-        last = [s for s in info["steps"] if s["after"] > s["before"]][-1]
-        assert last["peers"] == 2, info["steps"]
+        assert info["sync"]["agreed"] >= 1
+        assert any(s["peers"] == 2 and s["after"] > s["before"] for s in info["steps"]), info["steps"]
     assert _max_diff(a_state["state"], _initial_state()) > 1e-4  # the policy moved
 
     # C joins late: it must load the others' state, not train the epochs itself.
     join_c.touch()
     _wait_file(c_res, [a, b, c], 60, "late trainer C's result")
     c_info, c_state = _load(c_res)
+    # it loads from the trainer furthest ahead (hivemind's state-sharing priority is the epoch)
+    lead_info, lead_state = max(((a_info, a_state), (b_info, b_state)), key=lambda pair: pair[0]["epoch"])
+    epoch = lead_info["epoch"]
     assert c_info["epoch"] == epoch and c_state["epoch"] == epoch
     jumps = [(s["before"], s["after"]) for s in c_info["steps"] if s["after"] > s["before"]]
     assert jumps and jumps[0] == (0, epoch), f"C did not catch up by loading state: {jumps}"
-    diff_c = _max_diff(a_state["state"], c_state["state"])
+    diff_c = _max_diff(lead_state["state"], c_state["state"])
     assert diff_c <= 1e-6, f"late trainer's parameters differ by {diff_c}"
 
     done.touch()
