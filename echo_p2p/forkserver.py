@@ -19,9 +19,14 @@ is the child's parent, reaps it and reports its exit status (``-N`` for a signal
 helper cannot start (another interpreter, a module outside ``FORKED_MODULES``) the caller starts as before;
 a helper that failed to import or died is not used again (``ForkServer.spawn`` raises ``ForkServerError``).
 
-Owned here: ``ForkServer``, ``ForkedProcess``, ``FORKED_MODULES``, the helper's loop (``serve``), and
-``lower_priority`` (a started peer's CPU priority, forked or not). Called by
-``echo_p2p.local`` and the tests' process launcher. Imports no torch (the helper does, in its own process).
+A child can also be started inside a network namespace (``spawn(..., netns=NAME)``, as ``ip netns exec``
+does for a new interpreter): the emulated internet of the NAT tests and the soak (``tests/netlab.py``) starts
+its peers that way.
+
+Owned here: ``ForkServer``, ``ForkedProcess``, ``FORKED_MODULES``, the helper's loop (``serve``),
+``lower_priority`` (a started peer's CPU priority, forked or not) and ``enter_netns``. Called by
+``echo_p2p.local``, the tests' process launcher and the network lab. Imports no torch (the helper does, in its
+own process).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ logger = logging.getLogger(__name__)
 #: The modules a forked child may run (``-m NAME``): the peers. The bootstrap is not among them: it never
 #: imports torch (docs/scaling.md, start-up), and a fork of the helper would carry torch's pages.
 FORKED_MODULES = frozenset({"echo_p2p.peer"})
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2)'s network namespace type
 
 #: What the helper imports before it forks anything: what every peer imports on its way to its first step
 #: (the peer module itself is not: ``runpy`` runs it afresh as ``__main__``). Nothing that initialises CUDA
@@ -174,11 +180,14 @@ class ForkServer:
         env: Mapping[str, str] | None = None,
         nice: int = 0,
         name: str = "",
+        netns: str | None = None,
     ) -> ForkedProcess:
         """Fork ``python -m module args...`` from the helper, its output (stdout and stderr) to ``log``
         (made empty before this returns), in ``cwd`` (default: the caller's) with ``env`` (default: the caller's environment).
         ``name``: the process's name as ``ps -o comm``, ``top`` and ``psutil``'s ``name()`` show it (at most 15
-        characters, Linux's limit; e.g. ``trainer-0``): its command line is the helper's."""
+        characters, Linux's limit; e.g. ``trainer-0``): its command line is the helper's. ``netns``: the name of a
+        network namespace (``ip netns add NAME``) the child enters first, as ``ip netns exec NAME`` would
+        (only its network: the mounts stay the caller's); needs the privilege to enter it."""
         if module not in self.modules:
             raise ForkServerError(f"{module} is not started by the fork server")
         if not self._ready.wait(READY_TIMEOUT_S) or self._gone.is_set():
@@ -192,6 +201,7 @@ class ForkServer:
             "env": dict(os.environ if env is None else env),
             "nice": int(nice),
             "name": name,
+            "netns": netns,
         }
         with self._lock:
             self._next_id += 1
@@ -279,6 +289,22 @@ def lower_priority(nice: int) -> None:
         pass  # no autogroup (or not Linux): the process nice value above is what counts
 
 
+def enter_netns(name: str) -> None:
+    """Move this process into the network namespace ``name`` (``/run/netns/NAME``, made by ``ip netns add``)."""
+    import ctypes
+
+    if "/" in name or name in ("", ".", ".."):
+        raise ValueError(f"not a network namespace name: {name!r}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -358,6 +384,8 @@ def _child(sock: socket.socket, request: dict) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        if request.get("netns"):  # before the module opens any socket; a failure goes to the log
+            enter_netns(str(request["netns"]))
         os.environ.clear()
         os.environ.update(request["env"])
         if request.get("name"):

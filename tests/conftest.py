@@ -279,7 +279,7 @@ def lab_procs(tmp_path: Path) -> Iterator[LabProcs]:
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    with NetLab() as lab:
+    with NetLab(forks=fork_server()) as lab:
         p = LabProcs(tmp_path, lab)
         try:
             yield p

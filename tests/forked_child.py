@@ -1,7 +1,7 @@
 """A module the fork server's tests run as ``python -m tests.forked_child MODE OUT``: what a forked peer sees.
 
 ``report``: writes its pid, process group, working directory, argv, ``ECHO_TEST`` and a random number to OUT,
-prints to stdout and stderr, exits 3. ``linger``: a non-daemon thread that finishes after the module returns
+its network namespace, prints to stdout and stderr, exits 3. ``linger``: a non-daemon thread that finishes after the module returns
 and an exit handler, each writing a file next to OUT. ``raise``: an uncaught exception. ``sleep``: sleeps.
 """
 
@@ -30,6 +30,7 @@ def main() -> None:
                     "random": random.random(),
                     "name": __name__,
                     "comm": open("/proc/self/comm").read().strip(),
+                    "netns": os.stat("/proc/self/ns/net").st_ino,
                 },
                 f,
             )

@@ -11,7 +11,8 @@
 
 ``tc`` here has ``tbf``/``htb`` but not ``netem``: links get bandwidth, not added latency or loss.
 
-Processes started with ``NetLab.spawn`` run inside a host's namespace in a session of their own; ``close``
+Processes started with ``NetLab.spawn`` run inside a host's namespace in a session of their own (a peer
+forked from the lab's fork server when it has one); ``close``
 stops them by process group and deletes every namespace the lab created, also when the test failed.
 Needs root and ``ip`` (iproute2), ``nft`` (nftables) and ``tc``; ``skip_reason()`` says what is missing,
 with the line that installs it.
@@ -25,6 +26,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -81,6 +83,10 @@ class NetLab:
     _numbers: itertools.count = field(default_factory=lambda: itertools.count(10))
     _homes: itertools.count = field(default_factory=lambda: itertools.count(1))
     _veths: itertools.count = field(default_factory=itertools.count)
+    # an ``echo_p2p.forkserver.ForkServer``: peers (``python -m echo_p2p.peer``) are forked from it into their
+    # host's namespace instead of importing torch & co. again (~5 CPU-s each); other commands, or all of
+    # them when None or the helper failed, start as ``ip netns exec NS argv``
+    forks: object | None = None
 
     def __enter__(self) -> NetLab:
         self.switch = self._namespace("sw")
@@ -175,6 +181,10 @@ class NetLab:
         self, host: Host, argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None
     ) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace, output to ``log``, in a session of its own."""
+        forked = self._fork(host, argv, log, env, cwd)
+        if forked is not None:
+            self.procs.append(forked)  # type: ignore[arg-type]
+            return forked  # type: ignore[return-value]
         proc = subprocess.Popen(
             ["ip", "netns", "exec", host.ns, *argv],
             cwd=str(cwd) if cwd else None,
@@ -186,6 +196,27 @@ class NetLab:
         )
         self.procs.append(proc)
         return proc
+
+    def _fork(self, host: Host, argv: list[str], log: Path, env: dict | None, cwd: Path | None):
+        """``argv`` forked from ``forks`` into ``host``'s namespace; None when it cannot be."""
+        from echo_p2p.forkserver import FORKED_MODULES, ForkServerError
+
+        forks = self.forks
+        if forks is None or not forks.usable or len(argv) < 3:  # type: ignore[attr-defined]
+            return None
+        if argv[0] != sys.executable or argv[1] != "-m" or argv[2] not in FORKED_MODULES:
+            return None
+        try:
+            return forks.spawn(  # type: ignore[attr-defined]
+                argv[2],
+                argv[3:],
+                log=log,
+                cwd=str(cwd) if cwd else None,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                netns=host.ns,
+            )
+        except ForkServerError:
+            return None
 
     def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
         """Signal ``proc``'s process group, wait up to ``grace`` s, then SIGKILL what is left of it."""

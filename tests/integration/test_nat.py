@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_run_record
+from tests.conftest import fork_server, write_run_record
 from tests.netlab import NetLab, skip_reason
 
 SKIP = skip_reason()
@@ -45,7 +45,7 @@ def test_home_peers_behind_two_nats_train_and_serve_each_other_through_a_relay(t
     owner = load_or_create_identity(str(tmp_path / "owner.id"))
     trainer_id = load_or_create_identity(str(tmp_path / "trainer.id"))
     record = write_run_record(tmp_path / "run.bin", RUN, owner, [trainer_id.peer_id], mode=mode)
-    with NetLab() as lab:
+    with NetLab(forks=fork_server()) as lab:
         boot_host, trainer_host = lab.public_host("bootstrap"), lab.public_host("trainer")
         homes = [lab.home_host(f"home{i}", uplink_mbit=20, downlink_mbit=100) for i in (1, 2)]
         maddrs_file = tmp_path / "bootstrap.maddrs"

@@ -1,13 +1,16 @@
 """``echo_p2p.forkserver``: processes forked from a helper that imported their modules once behave as
 ``python -m`` started ones do (argv, working directory, environment, own session, log, exit code, signals,
-non-daemon threads and exit handlers at exit, fresh random numbers), and a helper that is gone says so."""
+non-daemon threads and exit handlers at exit, fresh random numbers), a child asked to can start inside a
+network namespace, and a helper that is gone says so."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import uuid
 
 import pytest
 
@@ -85,3 +88,26 @@ def test_a_module_it_does_not_fork_and_a_closed_helper_are_refused(tmp_path):
     assert not forks.usable
     with pytest.raises(ForkServerError):
         forks.spawn(MODULE, ["linger", str(tmp_path / "l")], log=tmp_path / "log")
+
+
+def test_a_child_started_in_a_network_namespace_runs_there_and_one_that_cannot_says_why(server, tmp_path):
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and ip (apt-get install -y iproute2)")
+    name = f"elfork{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
+    try:
+        inside, outside = tmp_path / "inside.json", tmp_path / "outside.json"
+        a = server.spawn(MODULE, ["report", str(inside)], log=tmp_path / "a.log", netns=name)
+        b = server.spawn(MODULE, ["report", str(outside)], log=tmp_path / "b.log")
+        assert a.wait(60) == 3 and b.wait(60) == 3, (tmp_path / "a.log").read_text()
+        assert json.loads(inside.read_text())["netns"] == os.stat(f"/run/netns/{name}").st_ino
+        assert json.loads(outside.read_text())["netns"] == os.stat("/proc/self/ns/net").st_ino
+        missing = server.spawn(
+            MODULE, ["report", str(tmp_path / "x")], log=tmp_path / "c.log", netns=name + "x"
+        )
+        assert missing.wait(60) == 1 and not (tmp_path / "x").exists()
+        assert f"/run/netns/{name}x" in (tmp_path / "c.log").read_text()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
