@@ -505,8 +505,8 @@ class Soak:
             if now >= next_at and now + args.down_max + args.settle <= self.soak_end:
                 fault = Fault(
                     index=len(self.faults) + 1,
-                    kind=self.draw("kind", list(KINDS)),
-                    target=self.draw("target", list(self.peers)),
+                    kind=self.draw("kind", list(args.kinds)),
+                    target=self.draw("target", [name for name in self.peers if name in args.targets]),
                     planned_s=self.rng.uniform(args.down_min, args.down_max),
                 )
                 self.faults.append(fault)
@@ -1074,6 +1074,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="no fault starts later than down-max + this before the end",
     )
+    p.add_argument(
+        "--kinds",
+        type=lambda text: tuple(text.split(",")),
+        default=KINDS,
+        help=f"the kinds of fault drawn, comma-separated (default: {','.join(KINDS)})",
+    )
+    p.add_argument(
+        "--targets",
+        type=lambda text: tuple(text.split(",")),
+        default=None,
+        help="the peers faults are drawn from, comma-separated names (bootstrap, trainer0, inference1, ...; "
+        "default: all of them): a soak that repeats one kind of fault on one kind of peer",
+    )
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument(
         "--task",
@@ -1113,6 +1126,15 @@ def main() -> None:
         sys.exit("need --trainers >= 1, --inference >= 1 and --nat <= --inference")
     if not 0 < args.down_min <= args.down_max:
         sys.exit("need 0 < --down-min <= --down-max")
+    names = [
+        "bootstrap",
+        *(f"trainer{i}" for i in range(args.trainers)),
+        *(f"inference{i}" for i in range(args.inference)),
+    ]
+    if args.targets is None:
+        args.targets = tuple(names)
+    if unknown := [x for x in (*args.kinds, *args.targets) if x not in (*KINDS, *names)] or not args.targets:
+        sys.exit(f"unknown --kinds or --targets: {unknown or 'none given'} (kinds {KINDS}, peers {names})")
     from tests.netlab import skip_reason
 
     reason = skip_reason()

@@ -387,6 +387,13 @@ class CollabTrainerStep:
         model holds the swarm's final parameters of this version: call before a checkpoint or a result."""
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
+    def join_round_while_idle(self) -> bool:
+        """For a trainer with no batch: take part in the other trainers' gradient round of this epoch and apply
+        the same update (``SyncedOptimizer.join_round_while_idle``), so they do not wait for it. True when the
+        version moved."""
+        join = getattr(self.optimizer, "join_round_while_idle", None)
+        return bool(join()) if join is not None else False
+
     def catch_up(self, force: bool = False) -> bool:
         """For a trainer with nothing to train on: when other trainers are ahead (or the last round asked
         for a download), load their state now (``SyncedOptimizer.catch_up``; ``force``: whatever the progress

@@ -72,6 +72,10 @@ NEVER = 2**62  # hivemind's ``average_state_every`` for "no state averaging" (ep
 LEAVE_POLL_S = 0.2  # how often a wait for a gradient round looks whether the trainer is leaving
 
 
+class _NoRound(Exception):
+    """The gradient round an idle trainer joined did not complete: its epoch transition is abandoned."""
+
+
 def parse_tag(value: Any) -> SyncTag | None:
     """A gathered ``{"epoch": int, "token": str}``; None when malformed or absent (e.g. an older peer)."""
     if not isinstance(value, Mapping):
@@ -220,9 +224,18 @@ class SyncedOptimizer(hivemind.Optimizer):
         self.sync_token = fresh_token()
         self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
         self.sync_stats = dict(
-            agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, advanced=0, partial=0
+            agreed=0,
+            solo=0,
+            diverged=0,
+            failed_rounds=0,
+            resyncs=0,
+            resync_failures=0,
+            advanced=0,
+            partial=0,
+            idle_rounds=0,
         )
         self._must_resync = False
+        self._joining_idle = False  # set while ``join_round_while_idle`` runs an epoch transition
         self._round_tags: dict[str, SyncTag | None] | None = None
         factory = functools.partial(_TaggedGradientAverager, **(grad_averager_opts or {}))
         super().__init__(dht=dht, client_mode=None, grad_averager_factory=factory, **kwargs)
@@ -305,6 +318,8 @@ class SyncedOptimizer(hivemind.Optimizer):
         except BaseException as e:
             logger.log(self.status_loglevel, f"Averaging gradients failed with {e!r}")
         if not averaged:
+            if self._joining_idle:
+                raise _NoRound("the gradient round an idle trainer joined did not complete")
             self._load_local_gradients_into_optimizer()
 
     def _round_result(self, control: Any) -> Any:
@@ -374,7 +389,47 @@ class SyncedOptimizer(hivemind.Optimizer):
             return True
         return super()._should_load_state_from_peers()
 
-    # ---- catching up while idle ----
+    # ---- while idle: joining the others' rounds, catching up ----
+    def join_round_while_idle(self) -> bool:
+        """For a trainer with nothing to step on, level with the swarm: take part in the other trainers'
+        gradient round of this epoch with the gradients it accumulated so far (weight 0 when none, hivemind's
+        weight is the samples accumulated) and apply the same averaged update, so they never wait in a round
+        for a trainer that has no batch (after a state download it often has none for seconds: the samplers
+        still route to the others) and it stays in their lineage; a round pre-scheduled by its last step and
+        then never begun left the others' averages partial. As hivemind's ``step`` does, it joins matchmaking
+        once the epoch's end is near (pre-scheduled round) and begins the round when the epoch is due
+        (``ready_to_update_epoch``: the swarm's samples reach the target, or their estimated time passed),
+        provided the others accumulated samples for it. True when it moved to the next epoch. A round that does not
+        complete changes nothing (no update of our own: the others moved without us, and the next step or
+        catch-up downloads their state)."""
+        tracker = self.tracker
+        if (
+            self.auxiliary
+            or self._must_resync
+            or self.local_epoch != tracker.global_epoch
+            or tracker.global_progress.num_peers <= 1
+        ):
+            return False
+        self._maybe_schedule_gradient_averaging()
+        others = tracker.global_progress.samples_accumulated - self.grad_averager.local_samples_accumulated
+        if not tracker.ready_to_update_epoch or others <= 0:
+            return False  # a round of trainers that all hold nothing would average over a weight of 0
+        before = self.local_epoch
+        self._joining_idle = True
+        try:
+            self._update_global_epoch(None)
+        except _NoRound as exc:
+            logger.log(self.status_loglevel, f"{exc}: staying at epoch {before}")
+            control, self.scheduled_grads = self.scheduled_grads, None
+            if control is not None and not control.done():
+                control.cancel()
+            tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+            return False
+        finally:
+            self._joining_idle = False
+        self.sync_stats["idle_rounds"] += 1
+        return self.local_epoch > before
+
     def behind_swarm(self) -> bool:
         """True when another trainer reports a later epoch than ours, or our last epoch asked for a state
         download that no step has done yet."""

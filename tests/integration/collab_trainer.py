@@ -5,7 +5,8 @@ when given), builds the tiny policy (same seed on every trainer) and a ``hivemin
 ``make_collab_optimizer``, then trains on the ``count`` task with rollouts it samples itself from
 ``--data-seed`` (so two trainers see different data) until its optimizer epoch reaches ``--until-epoch``.
 ``--join-file`` holds a late trainer back (imports done, model built) before it joins the DHT, and
-``--start-file`` holds training back until the test has every trainer up. Once at the target epoch and
+``--start-file`` holds training back until the test has every trainer up; from ``--idle-from-epoch`` on it
+samples nothing and only joins the others' gradient rounds, as a trainer with no batch does. Once at the target epoch and
 in sync with the other trainers (``CollabTrainerStep.in_sync``: it goes on training until its last epoch
 was agreed, or its state downloaded), it waits for any background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
 JSON; parameters in ``<result>.pt``, both atomically) and keeps its averagers serving state until
@@ -49,6 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-seconds", type=float, default=60.0)
     p.add_argument("--max-seconds", type=float, default=60.0, help="give up training after this long")
     p.add_argument("--step-pause", type=float, default=0.0, help="sleep between local steps (seconds)")
+    p.add_argument(
+        "--idle-from-epoch",
+        type=int,
+        default=None,
+        help="from this epoch on, sample and train nothing: only join the others' gradient rounds as a trainer "
+        "with no batch does (CollabTrainerStep.join_round_while_idle)",
+    )
     p.add_argument("--verbose", action="store_true", help="log hivemind's optimizer events (INFO)")
     return p.parse_args(argv)
 
@@ -150,6 +158,29 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 print(f"gave up at epoch {trainer.version}", flush=True)
                 return 2
+            if args.idle_from_epoch is not None and trainer.version >= args.idle_from_epoch:
+                before, agreed_before = trainer.version, opt.sync_stats["agreed"]
+                t0 = time.perf_counter()
+                if trainer.join_round_while_idle():
+                    if opt.sync_stats["agreed"] > agreed_before and trainer.version >= args.until_epoch - 1:
+                        agreed[trainer.version] = {
+                            k: v.detach().clone() for k, v in model.state_dict().items()
+                        }
+                    steps.append(
+                        dict(
+                            t=time.monotonic(),
+                            before=before,
+                            after=trainer.version,
+                            idle=True,
+                            optimizer_s=time.perf_counter() - t0,
+                            peers=opt.tracker.global_progress.num_peers,
+                            in_sync=trainer.in_sync,
+                        )
+                    )
+                    print(f"idle: epoch {before}->{trainer.version} in_sync {trainer.in_sync}", flush=True)
+                else:
+                    stop.wait(0.05)
+                continue
             ids = task.sample_prompt_ids(rng, args.prompts_per_step)
             prompts = encode_prompts(tokenizer, [task.prompt(i) for i in ids], use_chat_template=False)
             params = SamplingParams(

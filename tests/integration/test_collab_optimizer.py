@@ -3,7 +3,8 @@
 Three real trainer processes (``collab_trainer.py``) on 127.0.0.1, each in its own process group: A
 bootstraps the DHT, B joins it; both train the same tiny policy on different data (their own samples of
 ``count``) until epoch ``EPOCHS`` and an epoch agreed with the other (one more when the last round failed
-for both), then hold. C joins late, loads the swarm's state and must hold exactly
+for both), then hold; B has no batch from epoch ``EPOCHS - 2`` on and reaches the last epochs by joining A's
+rounds, which never wait for it. C joins late, loads the swarm's state and must hold exactly
 the epoch and parameters of the trainer furthest ahead without having trained them itself.
 """
 
@@ -82,6 +83,7 @@ def test_two_trainers_share_epochs_and_parameters_and_a_late_one_catches_up(
     assert "/ip4/127.0.0.1/" in maddr
     b = procs.start(
         *common, "--data-seed", "2", "--initial-peer", maddr, "--maddrs-file", str(b_maddrs),
+        "--idle-from-epoch", str(EPOCHS - 2),  # then B has no batch: it only joins A's rounds
         "--ready-file", str(b_ready), "--result", str(b_res), name="b",
     )  # fmt: skip
     # C starts now (its imports take seconds on a busy machine) but joins the swarm only later.
@@ -125,6 +127,11 @@ def test_two_trainers_share_epochs_and_parameters_and_a_late_one_catches_up(
         assert info["sync"]["agreed"] >= 1
         assert any(s["peers"] == 2 and s["after"] > s["before"] for s in info["steps"]), info["steps"]
     assert _max_diff(a_state["state"], _initial_state()) > 1e-4  # the policy moved
+    # B went idle at EPOCHS - 2: it reached the later epochs in A's rounds (weight 0, the same update), and A
+    # never waited a round out for it (a round that finds no group ends at averaging_timeout, 10 s)
+    assert b_info["sync"]["idle_rounds"] >= 1 and any(s.get("idle") for s in b_info["steps"]), b_info["steps"]
+    late = [s for s in a_info["steps"] if s["before"] >= EPOCHS - 2 and s["after"] > s["before"]]
+    assert late and max(s["optimizer_s"] for s in late) < 5, a_info["steps"]
 
     # C joins late: it must load the others' state, not train the epochs itself.
     join_c.touch()

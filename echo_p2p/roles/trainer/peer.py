@@ -71,6 +71,7 @@ class TrainerPeer(BasePeer):
         self.is_publisher = False
         self._work_started = time.monotonic()
         self._stepper = None
+        self.idle_rounds = 0  # versions reached by joining the other trainers' rounds with no batch
         self.catch_up = None  # catchup.CatchUp, built in on_start
         self.evaluator = (
             None  # train.evaluation.Evaluator: held-out figures (the publisher), built in on_start
@@ -236,6 +237,7 @@ class TrainerPeer(BasePeer):
             if batch is None:
                 self.watchdog.beat("training")  # the loop came round: it looked and found no batch
                 idle_since = t0 if idle_since is None else idle_since
+                self._join_round_while_idle()
                 self.catch_up.maybe(idle_since)
                 self._maybe_publish()  # a version skipped while a publish was in flight goes out now
                 self._maybe_evaluate()
@@ -249,6 +251,18 @@ class TrainerPeer(BasePeer):
             self.watchdog.beat("training")
             self._maybe_evaluate()
         self.stop_event.set()
+
+    def _join_round_while_idle(self) -> None:
+        """No batch: take part in the other trainers' round of this epoch, if one is due, with what this trainer
+        accumulated (nothing, weight 0), so they do not wait for it (``CollabTrainerStep.join_round_while_idle``).
+        The weights moved by the same update as theirs: a new version, held and published as after a step."""
+        before = self._stepper.version
+        if not self._stepper.join_round_while_idle():
+            return
+        self.idle_rounds += 1
+        self.guard.drift.record(before, self._stepper.version, self.learner.measure_drift())
+        if self._reached(self._stepper.version):
+            self._maybe_checkpoint()
 
     def _training_due(self) -> bool:
         """The watchdog's ``training`` signal is due while this trainer holds a batch (in a step) or its
@@ -479,6 +493,7 @@ class TrainerPeer(BasePeer):
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
             "catch_ups": self.catch_up.downloads if self.catch_up is not None else 0,
+            "idle_rounds": self.idle_rounds,  # epochs reached in the others' rounds while it had no batch
             "went_on_alone": self.catch_up.went_on_alone if self.catch_up is not None else 0,
             "versions_published": self.publishing.published if self.publishing is not None else 0,
             "peak_rss_mib": peak_rss_mib(),
