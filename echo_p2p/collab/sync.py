@@ -34,6 +34,10 @@ token most members hold, then the greatest token):
   at once: each downloading from the others, they refused each other's state as older than their own and
   the next round found no group until ``averaging_timeout``).
 
+A trainer with no batch still takes part in the others' round of its epoch (``join_round_while_idle``): the
+same averaged update, its weight the samples it accumulated (0 when none), so nobody waits for it and it
+stays in their lineage.
+
 So two trainers hold the same state after every epoch they averaged together (up to the all-reduce's float
 rounding, ~1e-7 relative), and one failed round is repaired by the next step, or at the latest by the next
 round they share. ``in_sync`` tells whether this trainer's last transition was such an agreed one.
