@@ -49,6 +49,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,18 @@ class ForkServer:
                 if child.pid in self._early_exits:
                     child._set_exit(self._early_exits.pop(child.pid))
         return child
+
+    def spawn_argv(self, argv: Sequence[str], **options: Any) -> ForkedProcess | None:
+        """``argv`` (what follows the interpreter: ``-m MODULE ARGS...``) forked with ``spawn``'s keyword
+        ``options``; None when it is not a module this helper forks, the helper is gone, or the fork failed
+        (logged): the caller then starts a new interpreter."""
+        if len(argv) < 2 or argv[0] != "-m" or argv[1] not in self.modules or not self.usable:
+            return None
+        try:
+            return self.spawn(argv[1], argv[2:], **options)
+        except ForkServerError as exc:
+            logger.warning("fork server: %s; starting %s as a new interpreter", exc, argv[1])
+            return None
 
     def close(self, timeout: float = 5.0) -> None:
         """End the helper (EOF on its socket), and kill it when it does not go within ``timeout``."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_p2p.cli import EXIT_CONFIG, EXIT_START, add_task_option_flag, fail, install_stop_handlers
-from echo_p2p.forkserver import FORKED_MODULES, ForkedProcess, ForkServer, ForkServerError, lower_priority
+from echo_p2p.forkserver import ForkedProcess, ForkServer, lower_priority
 from echo_p2p.local_keys import bootstrap_address, make_run_record
 from echo_p2p.local_phases import phases_block
 from echo_p2p.report import Runs, print_report, progress_line, reward_reached, step_lines
@@ -101,21 +101,20 @@ class LocalSwarm:
                 return None
             log = self.workdir / "logs" / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            if self.forks is not None and args[0] == "-m" and args[1] in FORKED_MODULES and self.forks.usable:
-                env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-                try:
-                    forked = self.forks.spawn(args[1], args[2:], log=log, env=env, nice=nice, name=name)
-                    self.children.append(Child(name, forked, log))
-                    return self.children[-1]
-                except ForkServerError as exc:  # started the usual way instead
-                    print(f"fork server: {exc}; starting {name} as a new interpreter", file=sys.stderr)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            forked = (
+                self.forks.spawn_argv(args, log=log, env=env, nice=nice, name=name) if self.forks else None
+            )
+            if forked is not None:
+                self.children.append(Child(name, forked, log))
+                return self.children[-1]
             proc = subprocess.Popen(
                 [sys.executable, *args],
                 preexec_fn=(lambda: lower_priority(nice)) if nice else None,
                 stdout=open(log, "wb"),
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=env,
                 start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
             )
             self.children.append(Child(name, proc, log))

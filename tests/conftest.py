@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from echo_p2p.forkserver import FORKED_MODULES, ForkServer, ForkServerError
+from echo_p2p.forkserver import ForkServer
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -76,20 +76,16 @@ class Procs:
         self._n += 1
         log = self.workdir / f"{name or 'proc'}-{self._n}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        forks = (
-            fork_server() if python is None and args[:1] == ("-m",) and args[1] in FORKED_MODULES else None
+        forks = fork_server() if python is None else None
+        forked = (
+            forks.spawn_argv(args, log=log, cwd=str(self.workdir), env=full_env, name=name or "")
+            if forks is not None
+            else None
         )
-        if forks is not None:
-            try:
-                forked = forks.spawn(
-                    args[1], args[2:], log=log, cwd=str(self.workdir), env=full_env, name=name or ""
-                )
-            except ForkServerError:
-                pass  # started the usual way below
-            else:
-                forked.log_path = log  # type: ignore[attr-defined]
-                self.procs.append(forked)  # type: ignore[arg-type]
-                return forked  # type: ignore[return-value]
+        if forked is not None:
+            forked.log_path = log  # type: ignore[attr-defined]
+            self.procs.append(forked)  # type: ignore[arg-type]
+            return forked  # type: ignore[return-value]
         proc = subprocess.Popen(
             [python or sys.executable, *args],
             cwd=str(self.workdir),

@@ -31,6 +31,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from echo_p2p.forkserver import ForkServer
 
 INSTALL = "apt-get install -y iproute2 nftables"
 PUBLIC_NET = "11.77.0"
@@ -86,7 +90,7 @@ class NetLab:
     # an ``echo_p2p.forkserver.ForkServer``: peers (``python -m echo_p2p.peer``) are forked from it into their
     # host's namespace instead of importing torch & co. again (~5 CPU-s each); other commands, or all of
     # them when None or the helper failed, start as ``ip netns exec NS argv``
-    forks: object | None = None
+    forks: ForkServer | None = None
 
     def __enter__(self) -> NetLab:
         self.switch = self._namespace("sw")
@@ -181,7 +185,14 @@ class NetLab:
         self, host: Host, argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None
     ) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace, output to ``log``, in a session of its own."""
-        forked = self._fork(host, argv, log, env, cwd)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        forked = (
+            self.forks.spawn_argv(
+                argv[1:], log=log, cwd=str(cwd) if cwd else None, env=full_env, netns=host.ns
+            )
+            if self.forks is not None and argv[0] == sys.executable
+            else None
+        )
         if forked is not None:
             self.procs.append(forked)  # type: ignore[arg-type]
             return forked  # type: ignore[return-value]
@@ -191,32 +202,11 @@ class NetLab:
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env=full_env,
             start_new_session=True,
         )
         self.procs.append(proc)
         return proc
-
-    def _fork(self, host: Host, argv: list[str], log: Path, env: dict | None, cwd: Path | None):
-        """``argv`` forked from ``forks`` into ``host``'s namespace; None when it cannot be."""
-        from echo_p2p.forkserver import FORKED_MODULES, ForkServerError
-
-        forks = self.forks
-        if forks is None or not forks.usable or len(argv) < 3:  # type: ignore[attr-defined]
-            return None
-        if argv[0] != sys.executable or argv[1] != "-m" or argv[2] not in FORKED_MODULES:
-            return None
-        try:
-            return forks.spawn(  # type: ignore[attr-defined]
-                argv[2],
-                argv[3:],
-                log=log,
-                cwd=str(cwd) if cwd else None,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                netns=host.ns,
-            )
-        except ForkServerError:
-            return None
 
     def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
         """Signal ``proc``'s process group, wait up to ``grace`` s, then SIGKILL what is left of it."""

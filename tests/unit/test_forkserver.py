@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import uuid
@@ -15,8 +14,10 @@ import uuid
 import pytest
 
 from echo_p2p.forkserver import ForkServer, ForkServerError
+from tests.netlab import skip_reason
 
 MODULE = "tests.forked_child"
+NETLAB_SKIP = skip_reason()  # root, iproute2 and a namespace made for a probe (tests/netlab.py)
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +85,22 @@ def test_a_module_it_does_not_fork_and_a_closed_helper_are_refused(tmp_path):
     with pytest.raises(ForkServerError, match="not started by the fork server"):
         forks.spawn("echo_p2p.peer", [], log=tmp_path / "log")
     assert forks.spawn(MODULE, ["linger", str(tmp_path / "l")], log=tmp_path / "log").wait(60) == 0
+    # spawn_argv takes a command line: what it does not fork is None (the caller starts an interpreter)
+    assert forks.spawn_argv(["-m", "echo_p2p.peer"], log=tmp_path / "log") is None
+    assert forks.spawn_argv(["script.py", MODULE], log=tmp_path / "log") is None
+    assert forks.spawn_argv(["-m", MODULE, "linger", str(tmp_path / "m")], log=tmp_path / "log").wait(60) == 0
     forks.close()
     assert not forks.usable
     with pytest.raises(ForkServerError):
         forks.spawn(MODULE, ["linger", str(tmp_path / "l")], log=tmp_path / "log")
+    assert forks.spawn_argv(["-m", MODULE, "linger", str(tmp_path / "l")], log=tmp_path / "log") is None
 
 
+@pytest.mark.skipif(NETLAB_SKIP is not None, reason=NETLAB_SKIP or "")
 def test_a_child_started_in_a_network_namespace_runs_there_and_one_that_cannot_says_why(server, tmp_path):
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and ip (apt-get install -y iproute2)")
     name = f"elfork{uuid.uuid4().hex[:6]}"
     made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
+    assert made.returncode == 0, made.stderr
     try:
         inside, outside = tmp_path / "inside.json", tmp_path / "outside.json"
         a = server.spawn(MODULE, ["report", str(inside)], log=tmp_path / "a.log", netns=name)

@@ -71,7 +71,6 @@ class TrainerPeer(BasePeer):
         self.is_publisher = False
         self._work_started = time.monotonic()
         self._stepper = None
-        self.idle_rounds = 0  # versions reached by joining the other trainers' rounds with no batch
         self.catch_up = None  # catchup.CatchUp, built in on_start
         self.evaluator = (
             None  # train.evaluation.Evaluator: held-out figures (the publisher), built in on_start
@@ -259,7 +258,6 @@ class TrainerPeer(BasePeer):
         before = self._stepper.version
         if not self._stepper.join_round_while_idle():
             return
-        self.idle_rounds += 1
         self.guard.drift.record(before, self._stepper.version, self.learner.measure_drift())
         if self._reached(self._stepper.version):
             self._maybe_checkpoint()
@@ -493,7 +491,8 @@ class TrainerPeer(BasePeer):
             "nonfinite_skipped": self.skipped_batches,
             "recoveries": self.recoveries,
             "catch_ups": self.catch_up.downloads if self.catch_up is not None else 0,
-            "idle_rounds": self.idle_rounds,  # epochs reached in the others' rounds while it had no batch
+            # versions reached in the other trainers' rounds while this one had no batch
+            "idle_rounds": self.optimizer.sync_stats["idle_rounds"] if self.optimizer is not None else 0,
             "went_on_alone": self.catch_up.went_on_alone if self.catch_up is not None else 0,
             "versions_published": self.publishing.published if self.publishing is not None else 0,
             "peak_rss_mib": peak_rss_mib(),
