@@ -32,7 +32,9 @@ token most members hold, then the greatest token):
   lineage of its own and downloads nothing yet: the next shared round's reference rule decides which of the
   lineages the trainers keep, and only those off it download (a round can come back partial for every member
   at once: each downloading from the others, they refused each other's state as older than their own and
-  the next round found no group until ``averaging_timeout``).
+  the next round found no group until ``averaging_timeout``); except a member that joined with no samples
+  (an idle trainer, weight 0): the others' values are that round's whole result and its own lack parts of
+  it, so it downloads.
 
 A trainer with no batch still takes part in the others' round of its epoch (``join_round_while_idle``): the
 same averaged update, its weight the samples it accumulated (0 when none), so nobody waits for it and it
@@ -239,7 +241,8 @@ class SyncedOptimizer(hivemind.Optimizer):
             idle_rounds=0,
         )
         self._must_resync = False
-        self._joining_idle = False  # set while ``join_round_while_idle`` runs an epoch transition
+        # while ``join_round_while_idle`` runs an epoch transition: the samples it joined with (its weight)
+        self._idle_weight: int | None = None
         self._round_tags: dict[str, SyncTag | None] | None = None
         factory = functools.partial(_TaggedGradientAverager, **(grad_averager_opts or {}))
         super().__init__(dht=dht, client_mode=None, grad_averager_factory=factory, **kwargs)
@@ -322,7 +325,7 @@ class SyncedOptimizer(hivemind.Optimizer):
         except BaseException as e:
             logger.log(self.status_loglevel, f"Averaging gradients failed with {e!r}")
         if not averaged:
-            if self._joining_idle:
+            if self._idle_weight is not None:
                 raise _NoRound("the gradient round an idle trainer joined did not complete")
             self._load_local_gradients_into_optimizer()
 
@@ -368,6 +371,12 @@ class SyncedOptimizer(hivemind.Optimizer):
             self.sync_token = fresh_token()
             self.in_sync = False
             self.sync_stats["partial"] += 1
+            if self._idle_weight == 0:
+                # except a member that joined with nothing (idle, weight 0): the others' values are the round's
+                # whole result and ours lack parts of it, so its lineage must never be kept: download theirs
+                # (the trainer's idle catch-up, or its next step). Left waiting for a next round, an idle
+                # trainer whose partner paused held parameters nobody else had, under the partner's epoch.
+                self._must_resync = True
         else:
             reference = choose_reference(tags.values())
             if tags[me] == before == reference:
@@ -419,7 +428,7 @@ class SyncedOptimizer(hivemind.Optimizer):
         if not tracker.ready_to_update_epoch or others <= 0:
             return False  # a round of trainers that all hold nothing would average over a weight of 0
         before = self.local_epoch
-        self._joining_idle = True
+        self._idle_weight = self.grad_averager.local_samples_accumulated
         try:
             self._update_global_epoch(None)
         except _NoRound as exc:
@@ -430,7 +439,7 @@ class SyncedOptimizer(hivemind.Optimizer):
             tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
             return False
         finally:
-            self._joining_idle = False
+            self._idle_weight = None
         self.sync_stats["idle_rounds"] += 1
         return self.local_epoch > before
 

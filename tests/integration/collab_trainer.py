@@ -6,7 +6,8 @@ when given), builds the tiny policy (same seed on every trainer) and a ``hivemin
 ``--data-seed`` (so two trainers see different data) until its optimizer epoch reaches ``--until-epoch``.
 ``--join-file`` holds a late trainer back (imports done, model built) before it joins the DHT, and
 ``--start-file`` holds training back until the test has every trainer up; from ``--idle-from-epoch`` on it
-samples nothing and only joins the others' gradient rounds, as a trainer with no batch does. Once at the target epoch and
+samples nothing and only joins the others' gradient rounds, or downloads their state when out of sync with
+them (``CollabTrainerStep.catch_up``), as a trainer peer with no batch does (``TrainerPeer.work``). Once at the target epoch and
 in sync with the other trainers (``CollabTrainerStep.in_sync``: it goes on training until its last epoch
 was agreed, or its state downloaded), it waits for any background state averaging to land, writes ``--result`` (epoch, peer id and per-step timings as
 JSON; parameters in ``<result>.pt``, both atomically) and keeps its averagers serving state until
@@ -161,23 +162,32 @@ def main(argv: list[str] | None = None) -> int:
             if args.idle_from_epoch is not None and trainer.version >= args.idle_from_epoch:
                 before, agreed_before = trainer.version, opt.sync_stats["agreed"]
                 t0 = time.perf_counter()
-                if trainer.join_round_while_idle():
-                    if opt.sync_stats["agreed"] > agreed_before and trainer.version >= args.until_epoch - 1:
-                        agreed[trainer.version] = {
-                            k: v.detach().clone() for k, v in model.state_dict().items()
-                        }
+                joined = trainer.join_round_while_idle()
+                if (
+                    joined
+                    and opt.sync_stats["agreed"] > agreed_before
+                    and trainer.version >= args.until_epoch - 1
+                ):
+                    agreed[trainer.version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                # not joined: its last round failed or came back partial, or it is behind: download
+                if joined or trainer.catch_up():
                     steps.append(
                         dict(
                             t=time.monotonic(),
                             before=before,
                             after=trainer.version,
                             idle=True,
+                            caught_up=not joined,
                             optimizer_s=time.perf_counter() - t0,
                             peers=opt.tracker.global_progress.num_peers,
                             in_sync=trainer.in_sync,
                         )
                     )
-                    print(f"idle: epoch {before}->{trainer.version} in_sync {trainer.in_sync}", flush=True)
+                    how = "joined a round" if joined else "downloaded"
+                    print(
+                        f"idle, {how}: epoch {before}->{trainer.version} in_sync {trainer.in_sync}",
+                        flush=True,
+                    )
                 else:
                     stop.wait(0.05)
                 continue

@@ -49,6 +49,7 @@ class _Fake(SyncedOptimizer):
         )
         self.state_averager = SimpleNamespace(local_epoch=epoch, sync_tag=None)
         self.sync_token, self.in_sync, self._must_resync, self._round_tags = token, False, False, None
+        self._idle_weight = None
         self.sync_stats = dict(
             agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, partial=0
         )
@@ -161,6 +162,21 @@ def test_members_whose_averages_arrived_in_part_keep_their_states_until_the_next
         assert downloads == {"A", "B"} - {keeper}, (partial_members, keeper, downloads)
         kept = a if keeper == "A" else b
         assert kept.in_sync and kept.sync_stats["agreed"] == agreed[keeper] + 1
+
+
+def test_an_idle_member_whose_averages_arrived_in_part_downloads_the_others_state() -> None:
+    """An idle trainer joins the others' round with weight 0: their values are the round's whole result and
+    its own lack parts of it, so it downloads (the trainer's idle catch-up) instead of keeping a lineage the
+    next round could pick; one that joined with samples keeps a lineage of its own like a stepping member."""
+    from echo_p2p.collab.sync import _TaggedGradientAverager, parse_tag
+
+    partial = parse_tag(_TaggedGradientAverager.PARTIAL)
+    for weight, downloads in ((0, True), (3, False)):
+        idle = _Fake("B", 4, "t", 2)
+        idle._idle_weight = weight
+        idle.transition({"A": (4, "t"), "B": partial})
+        assert not idle.in_sync and idle.sync_stats["partial"] == 1
+        assert idle._must_resync is downloads and idle.behind_swarm() is downloads, weight
 
 
 class _Round:
