@@ -4,7 +4,8 @@ Runs ``python -m echo_p2p.local`` (the README's run: a bootstrap, a trainer, 2 i
 ``--local-args`` adds flags, e.g. ``--peer-args='--config pacing-off.yaml'``) and, once a second, reads from
 ``/proc`` the CPU time (user + system) of every process it started: each peer's main process, its hivemind
 DHT process (a forked child), a trainer's averager processes (forked by hivemind.Optimizer) and its p2pd
-daemon, and every thread of them, by thread name. The part of the
+daemon, and every thread of them, by thread name (a peer forked from the local runner's fork server is
+known by its process name, ``trainer-0``, ``inference-1``: its command line is the helper's). The part of the
 run after the first training step is reported:
 
 * CPU cores used by each process kind (trainer, its DHT, its p2pd, inference, ...), and CPU-seconds per
@@ -76,9 +77,17 @@ def _kind(pid: int, ppid: int, root: int, kinds: dict[int, str]) -> str:
         args = [c.decode(errors="replace") for c in cmd]
         if "echo_p2p.bootstrap" in args:
             return "bootstrap"
+        if "echo_p2p.forkserver" in args:
+            return "forkserver"
         if "--role" in args:
             return args[args.index("--role") + 1]
         return exe
+    if kinds.get(ppid) == "forkserver":
+        # a peer forked from the fork server: its command line is the helper's, its name says what it is
+        # (``trainer-0``, ``inference-1``: ``ForkServer.spawn``)
+        st = _stat(f"/proc/{pid}")
+        role = st[1].split("-")[0] if st is not None else "?"
+        return role if role in ("trainer", "inference", "bootstrap") else "forkserver child"
     parent = kinds.get(ppid, "?").split(" ")[0]
     if "p2pd" in exe:
         return f"{parent} p2pd"
@@ -128,7 +137,7 @@ def main() -> None:
             if any('"step": 1,' in line for line in trainer.read_text().splitlines()):
                 started = time.monotonic()
         for pid, ppid in _descendants(proc.pid).items():
-            if pid not in kinds:
+            if kinds.get(pid, "forkserver child") == "forkserver child":  # (named just after its fork)
                 kinds[pid] = _kind(pid, ppid, proc.pid, kinds)
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
