@@ -9,7 +9,8 @@ and writes one JSON line per read. Tiny built-in model, ``--task`` (``count``), 
 
 Once the run's version moves, after ``--warmup`` s, a fault roughly every ``--fault-every`` s (x0.7-1.3,
 one at a time, none starting in the last ``--down-max`` + ``--settle`` s), kind and target drawn from shuffled decks (every
-peer, trainers and the bootstrap included, is hit once before any is hit twice; every kind once per three):
+peer, trainers and the bootstrap included, is hit once before any is hit twice; every kind once per three;
+``--first-fault KIND:PEER`` sets the first one instead):
 
 * ``kill``: SIGKILL of the peer's process group; after ``--down-min``..``--down-max`` s it is restarted with
   the same identity file and arguments (trainers always run with ``--checkpoint-dir`` and ``--resume``);
@@ -503,10 +504,15 @@ class Soak:
         while time.time() < self.soak_end:
             now = time.time()
             if now >= next_at and now + args.down_max + args.settle <= self.soak_end:
+                if args.first_fault is not None and not self.faults:  # the one fault the run is about
+                    kind, target = args.first_fault
+                else:
+                    kind = self.draw("kind", list(args.kinds))
+                    target = self.draw("target", [name for name in self.peers if name in args.targets])
                 fault = Fault(
                     index=len(self.faults) + 1,
-                    kind=self.draw("kind", list(args.kinds)),
-                    target=self.draw("target", [name for name in self.peers if name in args.targets]),
+                    kind=kind,
+                    target=target,
                     planned_s=self.rng.uniform(args.down_min, args.down_max),
                 )
                 self.faults.append(fault)
@@ -1087,6 +1093,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the peers faults are drawn from, comma-separated names (bootstrap, trainer0, inference1, ...; "
         "default: all of them): a soak that repeats one kind of fault on one kind of peer",
     )
+    p.add_argument(
+        "--first-fault",
+        type=lambda text: tuple(text.split(":", 1)) if ":" in text else (text, ""),
+        default=None,
+        metavar="KIND:PEER",
+        help="the first fault, not drawn (e.g. kill:bootstrap: a restarted bootstrap's memory over the rest of "
+        "the run); the later ones are drawn from --kinds and --targets",
+    )
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument(
         "--task",
@@ -1135,6 +1149,10 @@ def main() -> None:
         args.targets = tuple(names)
     if unknown := [x for x in (*args.kinds, *args.targets) if x not in (*KINDS, *names)] or not args.targets:
         sys.exit(f"unknown --kinds or --targets: {unknown or 'none given'} (kinds {KINDS}, peers {names})")
+    if args.first_fault is not None and (
+        args.first_fault[0] not in KINDS or args.first_fault[1] not in names
+    ):
+        sys.exit(f"--first-fault KIND:PEER: kinds {KINDS}, peers {names}")
     from tests.netlab import skip_reason
 
     reason = skip_reason()
