@@ -87,7 +87,8 @@ def _kind(pid: int, ppid: int, root: int, kinds: dict[int, str]) -> str:
         # (``trainer-0``, ``inference-1``: ``ForkServer.spawn``)
         st = _stat(f"/proc/{pid}")
         role = st[1].split("-")[0] if st is not None else "?"
-        return role if role in ("trainer", "inference", "bootstrap") else "forkserver child"
+        # (the local runner never forks the bootstrap)
+        return role if role in ("trainer", "inference") else "forkserver child"
     parent = kinds.get(ppid, "?").split(" ")[0]
     if "p2pd" in exe:
         return f"{parent} p2pd"
