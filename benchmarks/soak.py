@@ -44,7 +44,8 @@ Measured, all from files written during the run (the peers' ``--metrics-dir`` JS
 * RSS and open files of each peer's process tree (the peer's python process and its children: DHT process,
   p2pd, averagers) every ``--sample-period`` s from ``/proc``; per peer and hour of the run; growth per hour
   of each incarnation that lived ``--rss-min-span`` s past its first ``--rss-warmup`` s (least-squares
-  slope over the mean).
+  slope over the mean). The warm-up is 900 s: a restarted bootstrap's p2pd steps ~20 MiB up to its first
+  incarnation's level 5-8 minutes after the start (docs/reliability.md), which a fit from 300 s reads as growth.
 
 Goals checked: no stall longer than 2 publish intervals beyond its fault's recovery (``back``); every stall
 that lasted over 60 s detected within 60 s; 0 acknowledged groups lost; 0 honest peers banned; RSS growth at
@@ -1123,7 +1124,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stall-after", type=float, default=30.0, help="the probe's version_stalled alert threshold (s)"
     )
     p.add_argument("--sample-period", type=float, default=5.0, help="seconds between RSS/fd samples")
-    p.add_argument("--rss-warmup", type=float, default=300.0, help="s of an incarnation left out of growth")
+    p.add_argument(
+        "--rss-warmup",
+        type=float,
+        default=900.0,
+        help="s of an incarnation left out of growth (a restarted relay's p2pd steps up to its working heap 5-8 min in)",
+    )
     p.add_argument("--rss-min-span", type=float, default=600.0, help="least s of samples to fit growth")
     p.add_argument("--start-timeout", type=float, default=300.0, help="s to wait for the first version")
     p.add_argument("--workdir", default=None, help="logs, metrics, probe lines (default /tmp/echo-soak-*)")
