@@ -10,8 +10,10 @@ in the budget, steps per minute between the trainer's first and last step and it
 rollouts consumed per second, the reward of the last 10 steps, the senders the trainers banned (the poisoner;
 any other is an honest peer banned by mistake), what the inference peers' weight fetches did about slow
 providers (``fetch_slow``: chunks hedged, providers dropped and banned, summed over the peers; in the JSON),
-and what the attacker saw (the trainers'
-verdicts on what it sent, or the DHT's).
+what the attacker saw (the trainers'
+verdicts on what it sent, or the DHT's), and where the inference peers' time went (``inference_time``,
+summed over the peers: sampling, loading versions into the engine, waiting for weights, fetching by phase,
+failed fetches, policy-record reads; a second table).
 
 The ``idle`` arm is the control for the attacker's own processes (a DHT node, p2pd, a Python loop) on these
 two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over the idle arms' mean. Run as
@@ -45,6 +47,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Keys the sybil attacker gets before its arm starts (``--sybil-keys``; it makes no more).
 SYBIL_KEYS = 1000
+#: Where an inference peer's time went (its metrics line; summed over the arm's peers): sampling, putting
+#: versions into its engine, waiting for newer weights, for a trainer's grant, for room at a trainer.
+INFERENCE_TIME = (
+    *("seconds_sampling", "seconds_loading_weights", "seconds_waiting_for_weights", "seconds_paced"),
+    "seconds_waiting_for_room",
+)
+#: Its weight fetcher's totals (``FetchStats``), and its phases' (``phases_total``, as ``phase_*``).
+FETCH_TIME = (
+    *("versions_applied", "fetch_seconds_total", "failed_seconds_total", "record_reads"),
+    "record_read_seconds_total",
+)
 #: Where this machine's cgroup CPU controller is mounted: v1's own hierarchy, or the v2 unified one.
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
@@ -52,6 +65,10 @@ ARMS = (
     *("baseline", "idle", "poison", "oversized", "heavy", "flood", "ghost", "sybil", "tarpit"),
     *("slow-late", "slow-drip", "slow-never", "follow"),
 )
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float) -> bool:
@@ -210,6 +227,7 @@ def run_arm(
     fetch_slow: dict[
         str, int
     ] = {}  # the inference peers' weight fetches: slow providers hedged, dropped, banned
+    inference_time: dict[str, float] = {}
     for path in (workdir / "metrics").glob("inference-*.jsonl"):
         lines = [x for x in read_metrics(str(path)) if "weights" in x]
         weights = lines[-1]["weights"] if lines else {}
@@ -217,6 +235,16 @@ def run_arm(
             fetch_slow[key] = fetch_slow.get(key, 0) + count
         if weights.get("banned"):
             fetch_slow["providers_banned"] = fetch_slow.get("providers_banned", 0) + len(weights["banned"])
+        for key in INFERENCE_TIME:  # where the peer's time went, summed over the peers
+            value = lines[-1].get(key) if lines else None
+            if isinstance(value, (int, float)):
+                inference_time[key] = round(inference_time.get(key, 0.0) + value, 3)
+        for key in FETCH_TIME:
+            value = weights.get(key)
+            if isinstance(value, (int, float)):
+                inference_time[f"fetch_{key}"] = round(inference_time.get(f"fetch_{key}", 0.0) + value, 3)
+        for phase, seconds in (weights.get("phases_total") or {}).items():
+            inference_time[f"phase_{phase}"] = round(inference_time.get(f"phase_{phase}", 0.0) + seconds, 3)
     span = summary.get("seconds_training") or 0.0
     return {
         "arm": arm,
@@ -227,6 +255,7 @@ def run_arm(
         "refused_at_ingest": summary.get("refused_at_ingest"),
         "senders_banned": banned,
         "fetch_slow": fetch_slow,
+        "inference_time": inference_time,
         "attacker_saw": seen,
         "attacker_cpu_limit": cpu_limit if arm != "baseline" else None,
     }
@@ -295,6 +324,16 @@ def main(argv: list[str] | None = None) -> None:
             f"{'-' if r['reward_final'] is None else format(r['reward_final'], '.3f'):>7} "
             f"{r['senders_banned']:>4}  {seen}"
         )
+    # where the inference peers' time went (seconds summed over the peers of the arm; versions applied)
+    cols = ("versions_applied", "seconds_sampling", "seconds_loading_weights", "seconds_waiting_for_weights")
+    cols += ("fetch_fetch_seconds_total", "fetch_failed_seconds_total", "fetch_record_read_seconds_total")
+    heads = ("versions", "sampling", "loading", "wait_w", "fetching", "failed", "reads")
+    print(f"\n{'arm':<10} " + " ".join(f"{h:>9}" for h in heads) + "  fetch phases (s)")
+    for r in rows:
+        t = r["inference_time"]
+        values = [t.get("fetch_versions_applied" if c == "versions_applied" else c) for c in cols]
+        phases = ", ".join(f"{k[6:]} {v:.1f}" for k, v in t.items() if k.startswith("phase_"))
+        print(f"{r['arm']:<10} " + " ".join(f"{fmt(v):>9}" for v in values) + f"  {phases}")
     out = {
         "benchmark": "attacks",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -35,6 +35,8 @@ class InferencePeer(BasePeer):
         self.groups_sampled = 0
         self.tokens_sampled = 0
         self.sampling_seconds = 0.0
+        #: seconds in ``_load``: waiting for the engine (a sampling round holds it) and putting a version in
+        self.loading_seconds = 0.0
         self.weights_wait_seconds = 0.0
         self.room_wait_seconds = 0.0
         self.engine = None
@@ -136,15 +138,19 @@ class InferencePeer(BasePeer):
     def _load(self, weights) -> None:
         """Put a newly fetched version into the engine (called by the fetcher's follower thread)."""
         tensors = weights.tensors
-        with self._engine_lock:
-            if self.policy_version is not None and weights.version <= self.policy_version:
-                return
-            if weights.changed is not None and weights.changed_since == self.policy_version:
-                self.engine.update_weights(tensors, weights.changed)  # only what the patches changed
-            else:
-                self.engine.load_weights(tensors)
-            first = self.policy_version is None
-            self.policy_version = weights.version
+        t0 = time.monotonic()
+        try:
+            with self._engine_lock:
+                if self.policy_version is not None and weights.version <= self.policy_version:
+                    return
+                if weights.changed is not None and weights.changed_since == self.policy_version:
+                    self.engine.update_weights(tensors, weights.changed)  # only what the patches changed
+                else:
+                    self.engine.load_weights(tensors)
+                first = self.policy_version is None
+                self.policy_version = weights.version
+        finally:
+            self.loading_seconds += time.monotonic() - t0
         self.watchdog.beat("version")
         with self._new_version:
             self._new_version.notify_all()
@@ -351,6 +357,8 @@ class InferencePeer(BasePeer):
             "groups_sampled": self.groups_sampled,
             "tokens_sampled": self.tokens_sampled,
             "seconds_waiting_for_weights": round(self.weights_wait_seconds, 3),
+            "seconds_sampling": round(self.sampling_seconds, 3),
+            "seconds_loading_weights": round(self.loading_seconds, 3),
         }
         if self.pusher is not None:
             push = self.pusher.stats()

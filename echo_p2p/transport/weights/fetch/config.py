@@ -213,6 +213,22 @@ class FetchStats:
     # fetch did not list for that manifest yet: asked at once instead of after their records are read
     named_providers: int = 0
     last_providers_seen: int = 0  # other peers the last fetch's reads listed as holding or fetching it
+    # where a fetcher's time went, summed over its life (the ``last_*`` figures above are one fetch's, which a
+    # metrics line samples; these tell a run's slow fetches apart from its sampled one): seconds of the
+    # fetches that applied a version, by phase, and of those that failed; the policy-record reads that
+    # choose what to fetch (every poll and nudge, those that found nothing newer included) and their seconds
+    fetch_seconds_total: float = 0.0
+    phases_total: Counter = field(default_factory=Counter)
+    failed_seconds_total: float = 0.0
+    record_reads: int = 0
+    record_read_seconds_total: float = 0.0
+
+    def fetched(self, phases: dict[str, float], seconds: float) -> None:
+        """A fetch that applied a version: ``phases`` (seconds by phase) and its whole ``seconds``."""
+        self.versions_applied += 1
+        self.last_phases, self.last_fetch_seconds = phases, seconds
+        self.phases_total.update(phases)
+        self.fetch_seconds_total += seconds
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -234,6 +250,11 @@ class FetchStats:
             "provider_reads": self.provider_reads,
             "named_providers": self.named_providers,
             "providers_seen": self.last_providers_seen,
+            "fetch_seconds_total": round(self.fetch_seconds_total, 3),
+            "phases_total": {k: round(v, 3) for k, v in self.phases_total.items()},
+            "failed_seconds_total": round(self.failed_seconds_total, 3),
+            "record_reads": self.record_reads,
+            "record_read_seconds_total": round(self.record_read_seconds_total, 3),
         }
 
 

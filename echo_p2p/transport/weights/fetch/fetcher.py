@@ -141,12 +141,17 @@ class WeightFetcher:
                 t_start = time.monotonic()
                 record = None
                 try:
-                    record = self._choose_record()
+                    try:
+                        record = self._choose_record()
+                    finally:
+                        self.stats.record_reads += 1
+                        self.stats.record_read_seconds_total += time.monotonic() - t_start
                     if record is None or (stale_version is not None and record.version <= stale_version):
                         return None
                     return self._fetch(record, t_start)
                 except FetchError as exc:
                     self.stats.fetches_failed[exc.reason] += 1
+                    self.stats.failed_seconds_total += time.monotonic() - t_start
                     if exc.reason == "stopped":
                         logger.info("fetch of version %d stopped: shutting down", record.version)
                         return None
@@ -162,6 +167,7 @@ class WeightFetcher:
                     stale_version = record.version  # a newer record is out: fetch it now
                 except Exception:  # a bug must not take the peer down: count it, keep the held version
                     self.stats.fetches_failed["internal_error"] += 1
+                    self.stats.failed_seconds_total += time.monotonic() - t_start
                     logger.exception("policy update failed (version %s)", record.version if record else "?")
                     return None
             return None
@@ -367,14 +373,12 @@ class WeightFetcher:
         with self._lock:
             self._weights = weights
         self._resume = {}
-        self.stats.versions_applied += 1
         self.stats.last_apply_seconds = phases["apply"] = time.monotonic() - t_apply
-        self.stats.last_fetch_seconds = time.monotonic() - t_start
         self.stats.last_fetch_bytes = session.bytes_done
         if self.config.serve:
             self._retain(entries)
         phases["serve"] = time.monotonic() - t_start - sum(phases.values())
-        self.stats.last_phases = phases
+        self.stats.fetched(phases, time.monotonic() - t_start)
         self._applied_log.info(
             "applied",
             "applied version %d (%s) in %.2f s: %.1f MiB from %d providers",
