@@ -13,7 +13,8 @@ providers (``fetch_slow``: chunks hedged, providers dropped and banned, summed o
 what the attacker saw (the trainers'
 verdicts on what it sent, or the DHT's), and where the inference peers' time went (``inference_time``,
 summed over the peers: sampling, loading versions into the engine, waiting for weights, fetching by phase,
-failed fetches, policy-record reads; a second table).
+failed fetches, policy-record reads; a second table) and how long the peers' directory reads took
+(``directory_reads``: per role and kind of record, reads, seconds and the slowest; a third table).
 
 The ``idle`` arm is the control for the attacker's own processes (a DHT node, p2pd, a Python loop) on these
 two shared cores: it joins and sends nothing; ``x idle`` is each arm's rate over the idle arms' mean. Run as
@@ -245,6 +246,23 @@ def run_arm(
                 inference_time[f"fetch_{key}"] = round(inference_time.get(f"fetch_{key}", 0.0) + value, 3)
         for phase, seconds in (weights.get("phases_total") or {}).items():
             inference_time[f"phase_{phase}"] = round(inference_time.get(f"phase_{phase}", 0.0) + seconds, 3)
+    # the peers' directory reads (their own and their fetchers'), per role and kind of record: reads, seconds
+    # in all, the slowest (a slow DHT node a read waits on shows here)
+    directory_reads: dict[str, dict[str, dict[str, float]]] = {}
+    for path in (workdir / "metrics").glob("*.jsonl"):
+        role = path.stem.split("-")[0]
+        lines = [x for x in read_metrics(str(path)) if "directory_reads" in x]
+        if not lines:
+            continue
+        last = lines[-1]
+        for figures in (last["directory_reads"], (last.get("weights") or {}).get("directory_reads") or {}):
+            for kind, f in figures.items():
+                into = directory_reads.setdefault(role, {}).setdefault(
+                    kind, {"reads": 0, "seconds": 0.0, "slowest": 0.0}
+                )
+                into["reads"] += f["reads"]
+                into["seconds"] = round(into["seconds"] + f["seconds"], 3)
+                into["slowest"] = max(into["slowest"], f["slowest"])
     span = summary.get("seconds_training") or 0.0
     return {
         "arm": arm,
@@ -256,6 +274,7 @@ def run_arm(
         "senders_banned": banned,
         "fetch_slow": fetch_slow,
         "inference_time": inference_time,
+        "directory_reads": directory_reads,
         "attacker_saw": seen,
         "attacker_cpu_limit": cpu_limit if arm != "baseline" else None,
     }
@@ -334,6 +353,14 @@ def main(argv: list[str] | None = None) -> None:
         values = [t.get("fetch_versions_applied" if c == "versions_applied" else c) for c in cols]
         phases = ", ".join(f"{k[6:]} {v:.1f}" for k, v in t.items() if k.startswith("phase_"))
         print(f"{r['arm']:<10} " + " ".join(f"{fmt(v):>9}" for v in values) + f"  {phases}")
+    print(f"\n{'arm':<10} directory reads per role and kind: reads, seconds in all / slowest")
+    for r in rows:
+        parts = [
+            f"{role} {kind} {f['reads']} {f['seconds']:.1f}/{f['slowest']:.2f}"
+            for role, kinds in sorted(r["directory_reads"].items())
+            for kind, f in sorted(kinds.items())
+        ]
+        print(f"{r['arm']:<10} " + "; ".join(parts))
     out = {
         "benchmark": "attacks",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -79,6 +79,11 @@ class SwarmDirectory:
         self._rng = random.Random()
         self.rejected: Counter[str] = Counter()  # reason -> count, for records dropped on read
         self.read_timeouts = 0  # reads that got no answer within request_timeout (a monitor's "DHT down")
+        # per kind of record (peers, trainers, providers, policy, run, bans): reads (one call, its keys asked for
+        # at once), their seconds in all and the slowest one: a slow DHT node that a read waits on shows here
+        self.reads: Counter[str] = Counter()
+        self.read_seconds: Counter[str] = Counter()
+        self.slowest_read: dict[str, float] = {}
         self._warned_protocols: set[tuple[str, int]] = set()
         self._trainer_writers: tuple = (None, None)  # (trainer ids, run owner) this node was last told
         self._providers_read: dict[int, tuple[float, list]] = {}  # version -> (monotonic time, entries)
@@ -151,7 +156,8 @@ class SwarmDirectory:
         wanted = range(self.buckets) if buckets is None else buckets
         keys = {b: self.keys.peers(self.buckets, b) for b in wanted}
         return sorted(
-            self._read_keys(keys, PeerRecord, NON_TRAINER_ROLES), key=lambda e: -e.record.updated_at
+            self._read_keys(keys, PeerRecord, NON_TRAINER_ROLES, kind="peers"),
+            key=lambda e: -e.record.updated_at,
         )
 
     def peer_sample(self, extra: int = 1, at_least: int = MIN_SAMPLE) -> list[Entry[PeerRecord]]:
@@ -171,7 +177,7 @@ class SwarmDirectory:
     def trainers(self) -> list[Entry[PeerRecord]]:
         """Every valid, unexpired trainer record, newest first: only the writers this node was told to trust
         (``follow_trust``) are stored by or read from echo_p2p nodes, so a flood of ``peers`` never slows it."""
-        entries = self._read(self.keys.trainers, PeerRecord, TRAINER_ROLES)
+        entries = self._read(self.keys.trainers, PeerRecord, TRAINER_ROLES, kind="trainers")
         return sorted(entries, key=lambda e: -e.record.updated_at)
 
     def follow_trust(self, trust) -> bool:
@@ -216,46 +222,67 @@ class SwarmDirectory:
 
     def _read_providers(self, version: int, buckets: list[int]) -> list[Entry[ProviderRecord]]:
         keys = {b: self.keys.providers(self.buckets, b, version) for b in buckets}
-        entries = self._read_keys(keys, ProviderRecord)
+        entries = self._read_keys(keys, ProviderRecord, kind="providers")
         return [e for e in entries if version in e.record.versions or e.record.partial]
 
     def policies(self) -> list[Entry[PolicyRecord]]:
         """Every valid, unexpired publisher record (trust is the caller's business), newest version first."""
-        entries = self._read(self.keys.policy, PolicyRecord)
+        entries = self._read(self.keys.policy, PolicyRecord, kind="policy")
         return sorted(entries, key=lambda e: (-e.record.version, -e.record.updated_at))
 
     def run_records(self) -> list[Entry[SignedRunRecord]]:
         """Every stored copy of a signed run record (signatures are the caller's business: ``run_record``)."""
-        return self._read(self.keys.run, SignedRunRecord)
+        return self._read(self.keys.run, SignedRunRecord, kind="run")
 
     def ban_records(self) -> list[Entry[BanRecord]]:
         """Every trainer's bans (trust is the caller's business)."""
-        return self._read(self.keys.bans, BanRecord)
+        return self._read(self.keys.bans, BanRecord, kind="bans")
 
-    def _read(self, key: str, cls: type[R], roles: frozenset[str] | None = None) -> list[Entry[R]]:
-        return self._read_keys({None: key}, cls, roles)
+    def _read(
+        self, key: str, cls: type[R], roles: frozenset[str] | None = None, *, kind: str
+    ) -> list[Entry[R]]:
+        return self._read_keys({None: key}, cls, roles, kind=kind)
 
     def _read_keys(
-        self, keys: dict[int | None, str], cls: type[R], roles: frozenset[str] | None = None
+        self, keys: dict[int | None, str], cls: type[R], roles: frozenset[str] | None = None, *, kind: str
     ) -> list[Entry[R]]:
         """The valid records under each of ``keys`` (bucket -> key), asked for at once under one deadline;
-        under a bucket's key only records whose peer id hashes to that bucket (a ``None`` bucket: any)."""
+        under a bucket's key only records whose peer id hashes to that bucket (a ``None`` bucket: any).
+        Timed under ``kind`` (``read_figures``)."""
+        started = time.monotonic()
         futures = []
         for bucket, key in keys.items():
             self.keys_read += 1
             futures.append((bucket, key, self.dht.get(key, latest=True, return_future=True)))
-        deadline = time.monotonic() + self.request_timeout
+        deadline = started + self.request_timeout
         out: list[Entry[R]] = []
-        for bucket, key, future in futures:
-            try:
-                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                future.cancel()
-                self.read_timeouts += 1
-                logger.warning("reading %s timed out after %.1f s", key, self.request_timeout)
-                continue
-            out += self._valid(found, cls, roles, bucket)
+        try:
+            for bucket, key, future in futures:
+                try:
+                    found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    future.cancel()
+                    self.read_timeouts += 1
+                    logger.warning("reading %s timed out after %.1f s", key, self.request_timeout)
+                    continue
+                out += self._valid(found, cls, roles, bucket)
+        finally:
+            seconds = time.monotonic() - started
+            self.reads[kind] += 1
+            self.read_seconds[kind] += seconds
+            self.slowest_read[kind] = max(self.slowest_read.get(kind, 0.0), seconds)
         return out
+
+    def read_figures(self) -> dict[str, dict[str, float]]:
+        """Per kind of record read: ``reads``, ``seconds`` in all and the ``slowest`` read (for metrics lines)."""
+        return {
+            kind: {
+                "reads": self.reads[kind],
+                "seconds": round(self.read_seconds[kind], 3),
+                "slowest": round(self.slowest_read[kind], 3),
+            }
+            for kind in sorted(self.reads)
+        }
 
     def _valid(self, found, cls: type[R], roles: frozenset[str] | None, bucket: int | None) -> list[Entry[R]]:
         from hivemind.utils import get_dht_time

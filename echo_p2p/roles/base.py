@@ -174,6 +174,8 @@ class BasePeer:
                 thread.join(timeout=self.config.network.request_timeout + 1)
         try:  # the run's totals, once nothing counts any more: after the heartbeat's last status line
             figures = {"reachability": self.reachability, **self.figures(), **self.watchdog.figures()}
+            if self.directory is not None:
+                figures["directory_reads"] = self.directory.read_figures()
             self.metrics.write(self.policy_version, final=True, **figures)
         except Exception as exc:
             logger.debug("could not write the final metrics: %s", exc)
@@ -470,6 +472,8 @@ class BasePeer:
             "dht_rejoins": self.dht_rejoins,
             "slow_heartbeats": self.slow_heartbeats,
         }
+        if self.directory is not None:  # this peer's own reads (its weight fetcher's are in ``weights``)
+            figures["directory_reads"] = self.directory.read_figures()
         figures.update(self.figures())
         figures.update(self.watchdog.figures())
         self.metrics.write(self.policy_version, **figures)

@@ -195,3 +195,30 @@ def test_the_directory_takes_k_from_the_run_record():
     d.use_run_record(None)  # a reader told nothing about the run: K as it was made
     assert d.buckets == 16
     ident.cleanup()
+
+
+def test_reads_are_timed_per_kind_with_the_slowest_one_kept(idents):
+    """A read waits on its slowest key: the figures say so per kind of record (what a slow DHT node costs)."""
+    import threading
+    import time
+
+    class SlowDht(FakeDht):
+        delay = 0.0
+
+        def get(self, key, latest, return_future):
+            future = Future()
+            threading.Timer(self.delay, lambda: future.set_result(None)).start()
+            return future
+
+    dht = SlowDht()
+    d = directory(dht, idents[0], 4)
+    d.trainers()
+    dht.delay = 0.2
+    started = time.monotonic()
+    d.peers()  # 4 buckets asked at once: one wait
+    assert time.monotonic() - started < 0.2 * 4
+    d.policies()
+    figures = d.read_figures()
+    assert set(figures) == {"trainers", "peers", "policy"}
+    assert figures["peers"]["reads"] == 1 and 0.2 <= figures["peers"]["slowest"] < 0.7
+    assert figures["trainers"]["slowest"] < 0.1 <= 0.2 <= figures["policy"]["seconds"]

@@ -16,7 +16,10 @@ def test_fetches_add_up_by_phase_and_the_last_one_is_kept_apart():
     stats.fetched({"record": 0.1, "transfer": 0.5}, 0.6)
     stats.fetched({"record": 0.2, "transfer": 1.5, "apply": 0.1}, 1.8)
     assert stats.versions_applied == 2
-    assert stats.last_phases == {"record": 0.2, "transfer": 1.5, "apply": 0.1} and stats.last_fetch_seconds == 1.8
+    assert (
+        stats.last_phases == {"record": 0.2, "transfer": 1.5, "apply": 0.1}
+        and stats.last_fetch_seconds == 1.8
+    )
     line = stats.as_dict()
     assert line["fetch_seconds_total"] == 2.4 and line["fetch_seconds"] == 1.8
     assert line["phases_total"] == {"record": 0.3, "transfer": 2.0, "apply": 0.1}

@@ -226,6 +226,7 @@ class WeightFetcher:
             "version": self.version,
             **self.stats.as_dict(),
             "served": self.endpoint.servicer.stats.as_dict(),
+            "directory_reads": self.directory.read_figures(),
         }
 
     def nudge(self) -> None:
