@@ -382,6 +382,19 @@ class CollabTrainerStep:
         was just downloaded from one, or it is alone): see ``echo_p2p.collab.sync``."""
         return bool(getattr(self.optimizer, "in_sync", True))
 
+    def state_shared(self, version: int) -> bool:
+        """Whether every trainer of the gradient round that left ``version`` held this trainer's weights of it
+        (``echo_p2p.collab.sync.SyncedOptimizer.state_shared``; False for a plain torch optimizer)."""
+        shared = getattr(self.optimizer, "state_shared", None)
+        return shared is not None and shared(version)
+
+    @property
+    def alone(self) -> bool:
+        """Whether this trainer knows of no other trainer now (hivemind's progress records; True for a plain
+        torch optimizer)."""
+        tracker = getattr(self.optimizer, "tracker", None)
+        return tracker is None or tracker.global_progress.num_peers <= 1
+
     def settle(self) -> None:
         """Wait for background state averaging (``delay_state_averaging``) and apply its result, so the
         model holds the swarm's final parameters of this version: call before a checkpoint or a result."""

@@ -58,7 +58,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -76,6 +76,9 @@ SyncTag = tuple[int, str]  # (epoch, token)
 TAG_KEY = "echo_sync"  # key of the tag in a downloaded state's metadata
 NEVER = 2**62  # hivemind's ``average_state_every`` for "no state averaging" (epoch % NEVER is never 0)
 LEAVE_POLL_S = 0.2  # how often a wait for a gradient round looks whether the trainer is leaving
+EPOCH_MEMORY = (
+    256  # epochs whose shared or sole state is remembered (``state_known``); more than any kept past
+)
 
 
 class _NoRound(Exception):
@@ -229,6 +232,8 @@ class SyncedOptimizer(hivemind.Optimizer):
         self.leaving = leaving if leaving is not None else threading.Event()
         self.sync_token = fresh_token()
         self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
+        #: epochs whose state every member of the round that left them held (all their tags equal ours)
+        self.shared_epochs: deque[int] = deque(maxlen=EPOCH_MEMORY)
         self.sync_stats = dict(
             agreed=0,
             solo=0,
@@ -288,6 +293,12 @@ class SyncedOptimizer(hivemind.Optimizer):
 
     def _tag_payload(self) -> dict[str, Any]:
         return {"epoch": self.local_epoch, "token": self.sync_token}
+
+    def state_shared(self, epoch: int) -> bool:
+        """Whether every member of the gradient round that left ``epoch`` held this trainer's state of it (all
+        their tags equal): the other trainers, the publisher among them, held the same weights under that
+        version. False for an epoch left alone, by a failed, partial or diverged round, or not left yet."""
+        return epoch in self.shared_epochs
 
     def _publish_tag(self) -> None:
         self.state_averager.sync_tag = self.sync_tag
@@ -383,6 +394,8 @@ class SyncedOptimizer(hivemind.Optimizer):
                 self.sync_token = next_token(before[1], epoch, tags)
                 self.in_sync = True
                 self.sync_stats["agreed"] += 1
+                if len(tags) > 1 and all(tag == reference for tag in tags.values()):
+                    self.shared_epochs.append(before[0])  # every member held our state of that epoch
             else:
                 logger.info(
                     "trainer state out of sync at epoch %d (ours %s, the group's %s): will download it",

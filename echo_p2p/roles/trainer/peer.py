@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: Recent steps kept for the status figures and the election's pace (``version_rate``: 30 s of them).
 REWARD_HISTORY = 512
+#: versions remembered as held by this trainer as the publisher (more than any kept past version)
+PUBLISHER_MEMORY = 256
 
 
 def trainer_derived_settings(config: Any, tokenizer: Any) -> DerivedSettings:
@@ -69,6 +71,8 @@ class TrainerPeer(BasePeer):
         self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
+        #: versions this trainer held or published as the publisher knowing of no other trainer (``_weights_known``)
+        self._publisher_versions: deque[int] = deque(maxlen=PUBLISHER_MEMORY)
         self._work_started = time.monotonic()
         self._stepper = None
         self.catch_up = None  # catchup.CatchUp, built in on_start
@@ -300,6 +304,7 @@ class TrainerPeer(BasePeer):
             self.learner.last_group_repeats,
             exact=lambda index: self.learner.exact_scores(batch[index], version_before),
             draw_misses=self.learner.last_group_draw_misses,
+            known=self._weights_known,
         )
         if result.skipped:
             self.intake.discarded(batch)
@@ -355,7 +360,15 @@ class TrainerPeer(BasePeer):
         self.policy_version = version
         self.intake.reached(version)
         self._maybe_publish()
+        self._note_publisher_version(version)
         return True
+
+    def _weights_known(self, version: int) -> bool:
+        """Whether the weights this trainer held at ``version`` are known to be those the samplers of that version
+        had: every trainer of the gradient round that left it held them (the publisher among them:
+        ``CollabTrainerStep.state_shared``), or it held or published that version as the publisher knowing of
+        no other trainer. The sender guard strikes for replayed draws only under such weights."""
+        return version in self._publisher_versions or self._stepper.state_shared(version)
 
     def _recover_nonfinite(self) -> None:
         """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or
@@ -425,7 +438,20 @@ class TrainerPeer(BasePeer):
             return
         from echo_p2p.weights.model_io import named_tensors
 
-        self.publishing.maybe(self.policy_version or 0, lambda: named_tensors(self.model))
+        if self.publishing.maybe(self.policy_version or 0, lambda: named_tensors(self.model)):
+            self._note_publisher_version(self.policy_version or 0)
+
+    def _note_publisher_version(self, version: int) -> None:
+        """Remember ``version`` as this trainer's own (``_weights_known``) when it holds it as the publisher and
+        knows of no other trainer: then the samplers' weights of that version can only be its weights."""
+        stepper = self._stepper  # None before start: nothing is known of the others
+        if (
+            self.is_publisher
+            and stepper is not None
+            and stepper.alone
+            and version not in self._publisher_versions
+        ):
+            self._publisher_versions.append(version)
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         if self.checkpoints is None:

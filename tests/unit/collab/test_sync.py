@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import deque
 from types import SimpleNamespace
 
 from echo_p2p.collab.sync import (
+    EPOCH_MEMORY,
     SyncedOptimizer,
     choose_reference,
     fresh_token,
@@ -50,6 +52,7 @@ class _Fake(SyncedOptimizer):
         self.state_averager = SimpleNamespace(local_epoch=epoch, sync_tag=None)
         self.sync_token, self.in_sync, self._must_resync, self._round_tags = token, False, False, None
         self._idle_weight = None
+        self.shared_epochs = deque(maxlen=EPOCH_MEMORY)
         self.sync_stats = dict(
             agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, partial=0
         )
@@ -232,3 +235,25 @@ def test_a_trainer_that_leaves_abandons_the_gradient_round_it_waits_for_at_once(
     else:
         raise AssertionError("a round that never ends times out")
     assert 0.45 < time.monotonic() - t0 < 2 and not late.cancelled and not done.cancelled
+
+
+def test_an_epochs_state_is_shared_only_when_every_member_of_the_round_that_left_it_held_it() -> None:
+    """What the sender guard's replays rely on: the weights this trainer kept of an epoch are the publisher's
+    only when every member of the round that left that epoch held the same state."""
+    a, b = _Fake("A", 4, "t", 2), _Fake("B", 4, "t", 2)
+    tags = {"A": (4, "t"), "B": (4, "t")}
+    a.transition(dict(tags))
+    b.transition(dict(tags))
+    assert a.state_shared(4) and b.state_shared(4) and not a.state_shared(5)  # 5: no round has left it yet
+    # A is the reference, C's state differs: A stays in sync, but C (maybe the publisher) had other weights
+    a2, c = _Fake("A", 4, "t", 2), _Fake("C", 4, "other", 2)
+    mixed = {"A": (4, "t"), "B": (4, "t"), "C": (4, "other")}
+    a2.transition(dict(mixed))
+    c.transition(dict(mixed))
+    assert a2.in_sync and not a2.state_shared(4) and not c.state_shared(4)
+    alone, failed, partial = _Fake("A", 4, "t", 1), _Fake("A", 4, "t", 2), _Fake("A", 4, "t", 2)
+    alone.transition(None)
+    failed.transition(None)
+    partial.transition({"A": None, "B": (4, "t")})  # our averages arrived only in part
+    assert not (alone.state_shared(4) or failed.state_shared(4) or partial.state_shared(4))
+    assert not (alone.state_shared(5) or failed.state_shared(5) or partial.state_shared(5))

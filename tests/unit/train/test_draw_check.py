@@ -286,6 +286,39 @@ def test_a_near_miss_is_a_strike_and_its_second_within_the_window_a_ban():
     assert guard.stats()["draw_strikes"] == 2 and guard.reputation.bans()["s"][1] == "not_drawn"
 
 
+def test_misses_under_weights_not_known_to_be_the_samplers_strike_nobody():
+    """A trainer whose round came back partial, or that stepped alone while another trainer published, holds
+    other weights under the same version: honest draws miss them (a chaos soak banned every sampler that
+    way). Misses at versions whose weights are not known to be the samplers' are counted and strike nobody,
+    however gross; the same misses under known weights ban."""
+    gross = Replay(missed=1, worst=0.2, tolerance=0.01)
+    config = SamplingCheckConfig()
+    guard = SenderGuard(ReputationConfig(), "me", sampling=config)
+    groups = [
+        ScoredGroup(
+            RolloutGroup(
+                task="count",
+                prompt_id=0,
+                prompt_token_ids=[3],
+                completions=[Completion(token_ids=[4], logprobs=[-1.0], claimed_reward=0.0)] * 2,
+                policy_version=version,
+                sampler_peer_id=sender,
+            ),
+            [0.0, 1.0],
+        )
+        for version, sender in ((7, "a"), (7, "b"), (8, "c"))
+    ]
+    known = {8}.__contains__  # version 7's weights are not known to be the samplers'
+    for _ in range(3):
+        banned = guard.judge_samples(
+            groups[:2], [[], []], [0.0, 0.0], [None, None], draw_misses=[gross, gross], known=known
+        )
+        assert banned == []
+    assert guard.stats()["draw_misses_unknown"] == 6 and guard.stats().get("draw_strikes", 0) == 0
+    assert guard.reputation.bans() == {}
+    assert guard.judge_samples(groups[2:], [[]], [0.0], [None], draw_misses=[gross], known=known) == ["c"]
+
+
 def test_a_run_that_checks_seeded_draws_refuses_an_unseeded_group(policy):
     model, tokenizer = policy
     task = build_task("count", {})

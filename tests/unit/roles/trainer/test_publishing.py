@@ -106,6 +106,26 @@ def test_a_trainer_publishes_only_while_it_is_the_elected_publisher(tmp_path):
     assert peer._counters()["versions_published"] == 1
 
 
+def test_the_weights_of_a_version_are_known_when_published_alone_or_shared_by_the_whole_round(tmp_path):
+    """The sender guard strikes for replayed draws only under weights known to be the samplers': a version this
+    trainer published knowing of no other trainer, or one whose state every trainer of its round held."""
+    from types import SimpleNamespace
+
+    peer = unstarted_peer(TrainerPeer, tmp_path)
+    peer.model = torch.nn.Linear(2, 2)
+    peer.publishing = PublishSchedule(FakePublisher(), in_background=False)
+    stepper = SimpleNamespace(alone=True, state_shared=lambda version: version == 9)
+    peer._stepper = stepper
+    peer.is_publisher, peer.policy_version = True, 4
+    peer._maybe_publish()  # alone: version 4 is the samplers'
+    stepper.alone = False  # another trainer appeared (it may publish its own version 5)
+    peer.policy_version = 5
+    peer._maybe_publish()
+    assert peer.publishing.publisher.published == [4, 5]
+    assert peer._weights_known(4) and not peer._weights_known(5)
+    assert peer._weights_known(9) and not peer._weights_known(8)  # 9: shared by the round that left it
+
+
 def test_a_stopping_trainer_or_a_failed_directory_read_never_changes_the_publisher_role(tmp_path):
     """At a stop the DHT may be gone: a read that finds no other trainer must not make a trainer that stood by
     the publisher in its last lines (two publishers at the end of a two-trainer run)."""
