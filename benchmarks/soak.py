@@ -30,7 +30,8 @@ Measured, all from files written during the run (the peers' ``--metrics-dir`` JS
   which announces no record: a TCP connection from another host is accepted again, or SIGCONT), the longest
   gap of the run's version overlapping the fault and when the version moved again;
 * per stall: which fault it overlaps and how long it went on after that fault's peer was back (*excess*;
-  negative: it ended before; a stall with no fault is all excess),
+  negative: it ended before; a stall with no fault is all excess; where several faults overlap it, also the
+  time after the first began that no fault's [start, back] covers, if longer),
   and when it was detected: the probe's ``version_stalled`` alert, or a ``stalled`` flag in a status row or
   a metrics line (the watchdog's, where peers have one);
 * acknowledged groups lost: for every trainer SIGKILL, the groups its intake journal held unsettled when it
@@ -755,6 +756,9 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
         if linked and any(x is None for x in backs):
             recovered = None  # a fault whose peer never came back: the excess is not defined
         base = max(a, recovered) if recovered is not None else (a if not linked else None)
+        # a stall that several faults overlap: the time after the first of them began that none of them
+        # explains (outside every one's [start, back]) is excess too, not only what followed the last one
+        between = uncovered(a, b, [(f["_window"][0], f["_window"][2]) for f in linked]) if linked else 0.0
         detectors = {
             "version_stalled alert": next((t for t in stall_flags if a <= t <= b + args.probe_period), None),
             "stalled row": next((t for t in stalled_rows if a <= t <= b + args.probe_period), None),
@@ -767,7 +771,7 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
                 "length_s": round(b - a, 1),
                 "open_at_end": b >= end,
                 "faults": [f["index"] for f in linked],
-                "excess_s": None if base is None else round(b - base, 1),
+                "excess_s": None if base is None else round(max(b - base, between), 1),
                 "detect_s": None if first is None else round(first[0] - a, 1),
                 "detected_by": None if first is None else first[1],
             }
@@ -946,6 +950,20 @@ def summarise_resources(soak: Soak, start: float) -> dict[str, Any]:
         f"the mean, per hour, after the first {args.rss_warmup:g} s of an incarnation, only for "
         f"incarnations with {args.rss_min_span:g} s or more of samples after that",
     }
+
+
+def uncovered(a: float, b: float, windows: list[tuple[float, float | None]]) -> float:
+    """Seconds of ``[a, b]`` after the earliest window's start that no window ``(start, back)`` covers (a
+    window whose peer never came back covers to ``b``)."""
+    spans = sorted((max(a, s), min(b, b if e is None else e)) for s, e in windows)
+    if not spans:
+        return 0.0
+    cur, gaps = spans[0][0], 0.0
+    for s, e in spans:
+        if s > cur:
+            gaps += s - cur
+        cur = max(cur, e)
+    return gaps + max(0.0, b - cur)
 
 
 def growth_pct_per_h(points: list[tuple[float, float]]) -> float:
