@@ -410,11 +410,31 @@ def _child(sock: socket.socket, request: dict) -> None:
         if request.get("nice"):
             lower_priority(int(request["nice"]))
         random.seed()
+        _fresh_hivemind_locks()
         code = _run_module(request["module"], request["args"])
     except BaseException:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _fresh_hivemind_locks() -> None:
+    """Give this child its own copies of the cross-process locks hivemind makes when it is imported
+    (``MPFuture``'s and ``SharedBytes``' in ``hivemind.utils.mpfuture``, the context executor's in
+    ``hivemind.utils.asyncio``). Made in the helper, they would be one semaphore shared by every peer forked from
+    it, unrelated processes: a peer SIGKILLed while it held one (it takes them for every new process's future
+    backend and every 16 shared bytes) left it held for good, and every peer forked afterwards hung starting its
+    DHT ("the DHT node did not start within 30 s", four tests in a row of a suite run). A fresh child has no
+    futures yet, so hivemind's own reset is safe here; its DHT children inherit the child's locks, as hivemind
+    intends."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()
+    asyncio_utils = sys.modules.get("hivemind.utils.asyncio")
+    if asyncio_utils is not None:
+        import multiprocessing
+
+        asyncio_utils._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _run_module(module: str, args: Sequence[str]) -> int:

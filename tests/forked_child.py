@@ -2,7 +2,9 @@
 
 ``report``: writes its pid, process group, working directory, argv, ``ECHO_TEST`` and a random number to OUT,
 its network namespace, prints to stdout and stderr, exits 3. ``linger``: a non-daemon thread that finishes after the module returns
-and an exit handler, each writing a file next to OUT. ``raise``: an uncaught exception. ``sleep``: sleeps.
+and an exit handler, each writing a file next to OUT. ``raise``: an uncaught exception. ``sleep``: sleeps. ``hold``: takes hivemind's
+cross-process locks, writes OUT, sleeps (to be killed). ``future``: makes an MPFuture and the context executor,
+writes OUT.
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ def main() -> None:
         raise RuntimeError("boom from the forked child")
     if mode == "sleep":
         time.sleep(60)
+    if mode == "hold":  # takes hivemind's cross-process locks and waits to be killed holding them
+        from hivemind.utils.asyncio import _AsyncContextWrapper
+        from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+        for lock in (
+            MPFuture._initialization_lock,
+            MPFuture._update_lock,
+            SharedBytes._lock,
+            _AsyncContextWrapper.EXECUTOR_LOCK,
+        ):
+            lock.acquire()
+        open(out, "w").write("held")
+        time.sleep(60)
+    if mode == "future":  # what a peer's DHT start does first: a future backend, shared bytes, the executor
+        from hivemind.utils.asyncio import _AsyncContextWrapper
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        future.set_result(7)
+        _AsyncContextWrapper.get_process_wide_executor()
+        open(out, "w").write(f"ok {future.result()}")
 
 
 if __name__ == "__main__":

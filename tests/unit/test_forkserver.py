@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -115,3 +116,27 @@ def test_a_child_started_in_a_network_namespace_runs_there_and_one_that_cannot_s
         assert f"/run/netns/{name}x" in (tmp_path / "c.log").read_text()
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_child_killed_holding_hiveminds_locks_does_not_block_the_next_ones(tmp_path):
+    """hivemind makes cross-process locks when it is imported: made in the helper, every peer forked from it
+    would share them, and one SIGKILLed while holding one would hang every later peer's DHT start (a suite
+    run lost four tests that way). Each child gets its own."""
+    forks = ForkServer(
+        preload=("hivemind.utils.mpfuture", "hivemind.utils.asyncio"), modules=frozenset({MODULE})
+    )
+    try:
+        held = tmp_path / "held"
+        holder = forks.spawn(MODULE, ["hold", str(held)], log=tmp_path / "hold.log")
+        deadline = time.monotonic() + 60
+        while not held.exists() and holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held.read_text() == "held", (tmp_path / "hold.log").read_text()
+        os.killpg(holder.pid, signal.SIGKILL)  # dies holding them
+        assert holder.wait(30) == -signal.SIGKILL
+        out = tmp_path / "future"
+        child = forks.spawn(MODULE, ["future", str(out)], log=tmp_path / "future.log")
+        assert child.wait(30) == 0, (tmp_path / "future.log").read_text()
+        assert out.read_text() == "ok 7"
+    finally:
+        forks.close()
