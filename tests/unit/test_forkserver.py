@@ -125,9 +125,11 @@ def test_a_child_killed_holding_hiveminds_locks_does_not_block_the_next_ones(tmp
     forks = ForkServer(
         preload=("hivemind.utils.mpfuture", "hivemind.utils.asyncio"), modules=frozenset({MODULE})
     )
+    started = []
     try:
         held = tmp_path / "held"
         holder = forks.spawn(MODULE, ["hold", str(held)], log=tmp_path / "hold.log")
+        started.append(holder)
         deadline = time.monotonic() + 60
         while not held.exists() and holder.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -136,7 +138,12 @@ def test_a_child_killed_holding_hiveminds_locks_does_not_block_the_next_ones(tmp
         assert holder.wait(30) == -signal.SIGKILL
         out = tmp_path / "future"
         child = forks.spawn(MODULE, ["future", str(out)], log=tmp_path / "future.log")
+        started.append(child)
         assert child.wait(30) == 0, (tmp_path / "future.log").read_text()
         assert out.read_text() == "ok 7"
     finally:
+        for proc in started:  # a child left hanging by a failure: stopped by its own group
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
         forks.close()
