@@ -27,3 +27,22 @@ def test_time_between_overlapping_faults_is_not_explained_by_them(monkeypatch):
     assert soak.uncovered(100, 118, [(95, 120)]) == 0  # ended before the peer was back
     assert soak.uncovered(100, 130, [(105, None)]) == 0  # a peer that never came back covers the rest
     assert soak.uncovered(100, 130, [(90, 110), (105, 125)]) == 5  # overlapping windows count once
+
+
+def test_rss_growth_is_a_steady_climb_not_one_dip_or_one_step(monkeypatch):
+    """The RSS rule (Theil-Sen): a leak reads as growth, a transient dip at a fit's end or a step with a
+    trainer's role does not; a least-squares slope read both as growth over 5%/h."""
+    soak = load_soak(monkeypatch)
+    times = [900.0 + 5 * i for i in range(125)]  # 620 s of samples, every 5 s: the shortest fit
+    leak = [(t, 1000.0 * (1 + 0.10 * (t - 900) / 3600)) for t in times]  # +10% per hour
+    assert 9.0 < soak.growth_pct_per_h(leak) < 10.5
+    flat = [(t, 1650.0 + (0.5 if i % 2 else 0.0)) for i, t in enumerate(times)]
+    dip = [(t, y - 70.0) if i < 12 else (t, y) for i, (t, y) in enumerate(flat)]  # a minute 70 MiB low, first
+    assert soak.least_squares_pct_per_h(dip) > 5.0
+    assert abs(soak.growth_pct_per_h(dip)) < 1.0
+    step = [(t, 1560.0 if t < 1420 else 1630.0) for t in times]  # standing by, then publishing at 85%
+    assert soak.least_squares_pct_per_h(step) > 5.0
+    assert soak.growth_pct_per_h(step) < 5.0
+    # a step in the middle of a 10-minute fit is not told from a leak by any slope: it reads as growth
+    assert soak.growth_pct_per_h([(t, 1560.0 if t < 1210 else 1630.0) for t in times]) > 5.0
+    assert soak.growth_pct_per_h([(t, 100.0) for t in times]) == 0.0
