@@ -86,6 +86,13 @@ class RolloutGroup(BaseModel):
     sampling: Sampling | None = Field(
         default=None, description="How the completions were sampled (None: not said; a trainer refuses it)"
     )
+    weights_stream: str = Field(
+        default="",
+        max_length=64,
+        description="The publisher stream (``PolicyWeights.stream_id``) of the weights of ``policy_version`` "
+        "that sampled it: two trainers may publish the same version number from two lineages at once, and a "
+        "trainer replays a group's draws only under weights it knows to be these; empty: not said",
+    )
     sampling_seed: str = Field(
         default="",
         pattern=r"^([0-9a-f]{32})?$",

@@ -40,10 +40,11 @@ fi
 # the whole suite: the unit tests (CPU-bound) on both cores at once (worksteal: an idle worker takes queued
 # tests from the busy one, so the slow ones at the end do not leave a core idle), then the integration tests
 # two files at a time (--dist loadfile: a file's tests, and the run a module shares, stay on one worker; the
-# files marked slow start first). A swarm test keeps its machine busy ~70% of the time (starting processes,
+# files marked slow start first, the longest first: xdist's own reorder, by number of tests, is turned off; it
+# started the 80-second single-test files last, with one core left idle at the end). A swarm test keeps its machine busy ~70% of the time (starting processes,
 # waiting on peers), so two of them share 2 cores with deadlines to spare; the suite was ~15 minutes one file
 # at a time
 status=0
 "${PYTEST[@]}" -n 2 --dist worksteal tests/unit || status=$?
-"${PYTEST[@]}" -n 2 --dist loadfile tests/integration || status=$?
+"${PYTEST[@]}" -n 2 --dist loadfile --no-loadscope-reorder tests/integration || status=$?
 exit "$status"

@@ -19,9 +19,15 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 def pytest_collection_modifyitems(config, items):
-    # the longer files (marked slow) first: on two workers (scripts/test.sh) the short files then fill the gaps
-    # instead of one long file running alone at the end. Stable, by file: a file's tests stay together in order
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+    # the longer files (marked slow) first, the longest first (``slow(seconds)``: the file's seconds on 2 cores
+    # beside another file, for this order only): on two workers (scripts/test.sh, with xdist's own reorder by
+    # test count turned off) the short files then fill the gaps instead of one long file running alone at the
+    # end. Stable, by file: a file's tests stay together in order
+    def order(item) -> tuple[int, float]:
+        slow = item.get_closest_marker("slow")
+        return (1, 0.0) if slow is None else (0, -float(slow.args[0]) if slow.args else 0.0)
+
+    items.sort(key=order)
     try:
         import torch
 

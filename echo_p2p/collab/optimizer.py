@@ -389,6 +389,13 @@ class CollabTrainerStep:
         return shared is not None and shared(version)
 
     @property
+    def state_downloads(self) -> int:
+        """States downloaded from other trainers so far (``SyncedOptimizer``'s resyncs and catch-ups; 0 for a
+        plain torch optimizer): each replaced this trainer's weights with another lineage's."""
+        stats = getattr(self.optimizer, "sync_stats", None)
+        return int(stats.get("resyncs", 0)) if stats is not None else 0
+
+    @property
     def alone(self) -> bool:
         """Whether this trainer knows of no other trainer now (hivemind's progress records; True for a plain
         torch optimizer)."""

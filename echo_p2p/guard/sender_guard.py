@@ -94,7 +94,7 @@ class SenderGuard:
         repeats: list[float | None] | None = None,
         exact: Callable[[int], list[CompletionScore] | None] | None = None,
         draw_misses: list[Any] | None = None,
-        known: Callable[[int], bool] | None = None,
+        known: Callable[[Any], bool] | None = None,
     ) -> list[str]:
         """Feed each trained group's completion scores (``Learner.last_sample_scores``) to its sender's
         detector, with the group's allowance (``allowances``: a group whose allowance is unknown is not
@@ -123,12 +123,13 @@ class SenderGuard:
         is exact, bar a sampler whose probabilities differ from the trainer's by more than its precision's
         ``seed_tolerance``; a group missed by more than twice that (``Replay.gross``) bans at its first.
 
-        ``known(version)``: whether the weights the learner kept of ``version`` are known to be the ones the
-        samplers had (the trainer's state of that epoch was shared by every trainer of its gradient round, or
-        it was alone and publishing then; None: always). Replays and exact scores are exact only under those
-        weights: a trainer whose round came back partial, or that stepped alone while another published,
-        holds other weights under the same version number, and honest samplers' draws miss them by 0.1-0.2 of
-        the probability mass (a chaos soak saw every sampler banned that way and the run stall for 350 s).
+        ``known(group)``: whether the weights the learner kept of the group's version are known to be the ones
+        its sampler had (``TrainerPeer._weights_known``: the trainer's state of that epoch was shared by every
+        trainer of its gradient round, or the trainer published that version on the stream the group names;
+        None: always). Replays and exact scores are exact only under those weights: a trainer whose round came
+        back partial, or that stepped alone while another published, holds other weights under the same
+        version number, and honest samplers' draws miss them by 0.1-0.2 of the probability mass (chaos soaks
+        saw every sampler banned that way and the run stall for 350 s).
         A miss under weights not known so is counted (``draw_misses_unknown``), its group stays out of the
         loss (the learner left it out), and nobody is struck for it; the tail test then judges the group
         with the drift allowance, as it does a group whose version was not kept."""
@@ -144,7 +145,7 @@ class SenderGuard:
             if sender in struck:
                 continue
             replay = draw_misses[index] if draw_misses is not None and index < len(draw_misses) else None
-            exact_weights = known is None or known(scored.group.policy_version)
+            exact_weights = known is None or known(scored.group)
             if replay is not None and replay.missed and not exact_weights:
                 self.counters["draw_misses_unknown"] += 1
                 replay = None

@@ -46,6 +46,7 @@ class InferencePeer(BasePeer):
         self.loop = None
         self.sample_server = None
         self._engine_lock = threading.Lock()  # engine weights + self.policy_version change together
+        self.weights_stream = ""  # the publisher stream of the held version's weights (RolloutGroup's)
         self._new_version = threading.Condition()  # notified when a newer version is in the engine
         self.stale_waits = 0  # times sampling waited because the trainers refused this version as too stale
         self._rng = random.Random(config.seed)
@@ -149,6 +150,7 @@ class InferencePeer(BasePeer):
                     self.engine.load_weights(tensors)
                 first = self.policy_version is None
                 self.policy_version = weights.version
+                self.weights_stream = weights.stream_id
         finally:
             self.loading_seconds += time.monotonic() - t0
         self.watchdog.beat("version")
@@ -187,7 +189,7 @@ class InferencePeer(BasePeer):
             params = params.model_copy(update={"max_new_tokens": max_new_tokens})
         t0 = time.monotonic()
         with self._engine_lock:
-            version = self.policy_version
+            version, stream = self.policy_version, self.weights_stream
             samples = self.engine.sample(prompts, n, params)
         elapsed = time.monotonic() - t0
         groups = []
@@ -208,6 +210,7 @@ class InferencePeer(BasePeer):
                         for s, r in zip(outs, rewards, strict=True)
                     ],
                     policy_version=version,
+                    weights_stream=stream,
                     sampler_peer_id=self.peer_id,
                     sampled_at=time.time(),
                     sampling_seed=outs[0].seed if outs else "",

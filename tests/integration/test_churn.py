@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import metrics_lines, newest_line, read_log, wait_until, write_run_record
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow(60)]
 
 RUN = "churn"
 HEARTBEAT = 1.0

@@ -20,7 +20,7 @@ import torch
 from echo_p2p import PROTOCOL_VERSION
 from tests.conftest import REPO, Procs, read_log, wait_until
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow(55)]
 
 SCRIPT = str(REPO / "tests" / "integration" / "collab_trainer.py")
 EPOCHS = 4

@@ -24,7 +24,7 @@ import torch
 
 from tests.conftest import LOOPBACK, metrics_lines, read_log, wait_until, write_run_record
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow(40)]
 
 RUN = "export"
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import read_log, wait_until, write_run_record
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow(25)]
 
 
 def last_line(metrics, role: str, key: str):

@@ -32,7 +32,7 @@ import pytest
 from tests.browser import INSTALL_LINE, Browser, chromium_path
 from tests.conftest import eval_lines, mean, trainer_steps, wait_until
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow(55)]
 
 CHROMIUM = chromium_path()
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason=f"needs Chromium: {INSTALL_LINE}")

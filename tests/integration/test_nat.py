@@ -21,7 +21,11 @@ from tests.conftest import fork_server, write_run_record
 from tests.netlab import NetLab, skip_reason
 
 SKIP = skip_reason()
-pytestmark = [pytest.mark.netlab, pytest.mark.slow, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+pytestmark = [
+    pytest.mark.netlab,
+    pytest.mark.slow(100),
+    pytest.mark.skipif(SKIP is not None, reason=SKIP or ""),
+]
 
 RUN = "natlab"
 

@@ -14,7 +14,7 @@ import pytest
 from echo_p2p.local_keys import free_port_below_ephemeral
 from tests.conftest import LOOPBACK, read_log, wait_until
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow(25)]
 
 
 def owner_init(tmp_path, *flags: str) -> tuple[str, dict[str, list[str]]]:

@@ -37,7 +37,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import wait_until
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow(75)]
 ATTACKER = Path(__file__).resolve().parents[2] / "benchmarks" / "attacker.py"
 
 
@@ -166,16 +166,19 @@ def test_a_poisoning_stranger_is_refused_then_banned_the_run_keeps_learning_and_
         for x in read_metrics(str(p))
         if "senders" in x
     ]
-    # the poisoner's made-up groups claim seeds: a replay of their draws misses by more than any precision
-    # explains and bans it at once, else its third group over the log-prob gap does (whichever judged first)
+    # the poisoner's made-up groups claim seeds but name no weights stream: the replay cannot say their
+    # sampler held this trainer's weights (docs/security.md), so it strikes nobody for them and they stay
+    # out of the loss; its third group over the log-prob gap bans it (a replay strike, if it ever named the
+    # publisher's stream)
     assert senders and senders[-1]["banned"] == 2, senders[-1:]
     assert senders[-1]["groups_over_gap"] >= 3 or senders[-1].get("draw_strikes", 0) >= 2, senders[-1:]
     # the editor: struck for completions that are not samples (its values are true: no other check can
-    # fire on it) and banned, as the trainer logs it; no honest inference peer was banned
-    # (the tail test's ban needs 3 strikes, the duplicate test's 2 alarms: ``duplicate_ban_alarms``; the
-    # replay of its seeded draws 2 groups whose edited completions are not their seed's draws:
-    # ``seed_ban_alarms``)
-    assert senders[-1].get("not_sampled_strikes", 0) >= 2, senders[-1]
+    # fire on it; a real inference peer, its groups name the stream they were sampled under) and banned, as
+    # the trainer logs it; no honest inference peer was banned (the tail test's ban needs 3 strikes, the
+    # duplicate test's 2 alarms: ``duplicate_ban_alarms``; the replay of its seeded draws 2 groups whose
+    # edited completions are not their seed's draws, ``seed_ban_alarms``, or one missed by more than twice
+    # the tolerance: ``Replay.gross``)
+    assert senders[-1].get("not_sampled_strikes", 0) >= 1, senders[-1]
     edits = json.loads(edit_report.read_text())["seen"]
     assert edits["edited"] >= 1, edits
     trainer_log = (workdir / "logs" / "trainer-0.log").read_text()

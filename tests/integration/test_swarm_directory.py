@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import LOOPBACK, read_log, status_reader, wait_until
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow(17)]
 
 
 def status_json(maddr: str, run_id: str) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import newest_line, read_log, wait_until, write_run_record
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow(16)]
 
 RUN = "journal"
 

@@ -18,7 +18,7 @@ import pytest
 from echo_p2p.metrics import read_metrics
 from tests.conftest import eval_lines, mean, read_log, trainer_steps, wait_until
 
-pytestmark = [pytest.mark.timeout(330), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(330), pytest.mark.slow(150)]
 
 
 def test_tiny_model_learns_the_count_task_in_the_local_swarm_in_sync_mode(tmp_path):

@@ -22,7 +22,7 @@ VLLM_PYTHON = Path(os.environ.get("ECHO_VLLM_PYTHON", REPO / ".venv-vllm" / "bin
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.slow,
+    pytest.mark.slow(60),
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(),
         reason="needs the vLLM CPU environment: bash scripts/setup_vllm.sh",

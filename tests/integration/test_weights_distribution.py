@@ -28,7 +28,7 @@ from echo_p2p.transport.weights.publisher import PublisherConfig, WeightPublishe
 from echo_p2p.weights.config import EncodingConfig
 from tests.conftest import read_log, wait_until
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow(55)]
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 CHUNK = 64 * 1024
 FAST = dict(

@@ -138,6 +138,8 @@ def test_the_largest_honest_group_fits_the_wire_bound_that_trainers_enforce():
         policy_version=2**62,
         sampler_peer_id="Qm" + "x" * 126,
         sampled_at=1.0e9 + 1 / 3,
+        weights_stream="f" * 64,
+        sampling_seed="ab" * 16,
     )
     size = len(group.to_bytes())
     bound = RolloutGroup.max_wire_bytes(prompt, group_size, completion)

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 from echo_p2p.metrics import peak_rss_mib
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 #: Recent steps kept for the status figures and the election's pace (``version_rate``: 30 s of them).
 REWARD_HISTORY = 512
-#: versions remembered as held by this trainer as the publisher (more than any kept past version)
+#: versions remembered with the stream this trainer published them on (more than any kept past version)
 PUBLISHER_MEMORY = 256
 
 
@@ -71,10 +71,12 @@ class TrainerPeer(BasePeer):
         self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
-        #: versions this trainer held or published as the publisher knowing of no other trainer (``_weights_known``)
-        self._publisher_versions: deque[int] = deque(maxlen=PUBLISHER_MEMORY)
+        #: version -> the stream this trainer published it on, since its last state download (``_weights_known``)
+        self._published: OrderedDict[int, str] = OrderedDict()
+        self._downloads_seen = 0  # the stepper's state downloads when ``_published`` was last checked
         self._work_started = time.monotonic()
         self._stepper = None
+        self.learner = None  # train.learner.Learner, built in on_start
         self.catch_up = None  # catchup.CatchUp, built in on_start
         self.evaluator = (
             None  # train.evaluation.Evaluator: held-out figures (the publisher), built in on_start
@@ -291,6 +293,7 @@ class TrainerPeer(BasePeer):
         version_before = self.policy_version or 0
         allowances = self.guard.allowances(batch, version_before)
         result = self._stepper(batch, gap_allowance=allowances)
+        self._forget_if_replaced()  # the step may have downloaded the others' state (``_weights_known``)
         drift = None
         if result.advanced:  # the weights moved: how far (the allowance of later stale groups)
             drift = self.learner.measure_drift()
@@ -359,16 +362,44 @@ class TrainerPeer(BasePeer):
             return False
         self.policy_version = version
         self.intake.reached(version)
+        self._forget_if_replaced()
         self._maybe_publish()
-        self._note_publisher_version(version)
         return True
 
-    def _weights_known(self, version: int) -> bool:
-        """Whether the weights this trainer held at ``version`` are known to be those the samplers of that version
-        had: every trainer of the gradient round that left it held them (the publisher among them:
-        ``CollabTrainerStep.state_shared``), or it held or published that version as the publisher knowing of
-        no other trainer. The sender guard strikes for replayed draws only under such weights."""
-        return version in self._publisher_versions or self._stepper.state_shared(version)
+    def _weights_known(self, group: Any) -> bool:
+        """Whether the weights this trainer kept of ``group.policy_version`` are known to be those its sampler
+        had (the sender guard strikes for replayed draws only under such weights; two trainers may hold two
+        lineages under one version number: a chaos soak saw honest samplers banned for it three times):
+
+        - every trainer of the gradient round that left that version held them (``state_shared``);
+        - this trainer published that version, since its last state download, on the stream the group names
+          (``RolloutGroup.weights_stream``).
+
+        A group naming another stream, or none, is not judged by the replay even when this trainer published
+        that version: another trainer, or this trainer's own killed incarnation, may have published other
+        weights under the same number (docs/security.md)."""
+        version, stream = group.policy_version, group.weights_stream
+        if self._stepper is None:
+            return False
+        if self._stepper.state_shared(version):
+            return True
+        self._forget_if_replaced()
+        mine = self._published.get(version)
+        return mine is not None and stream == mine
+
+    def _forget_if_replaced(self) -> None:
+        """A state download replaced this trainer's weights with another lineage's, often under a version number
+        it held already: forget the versions it published before, and the weights the learner kept of each
+        version (``PastWeights`` keeps the first copy recorded under a number, so the copy of the version a
+        download landed on was this trainer's own diverged one: in the hour soak of 2026-12-07 a trainer
+        replayed the samplers' draws of a version its round had just shared under that copy, missed by up
+        to 0.84 of the probability mass, and banned all four)."""
+        downloads = self._stepper.state_downloads if self._stepper is not None else 0
+        if downloads != self._downloads_seen:
+            self._downloads_seen = downloads
+            self._published.clear()
+            if self.learner is not None and self.learner.past is not None:
+                self.learner.past.clear()
 
     def _recover_nonfinite(self) -> None:
         """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or
@@ -387,7 +418,8 @@ class TrainerPeer(BasePeer):
             return
         self.policy_version = self._stepper.version
         self.guard.drift.reset()
-        if self.learner.past is not None:  # the versions after the reloaded one will be trained again
+        self._published.clear()  # the versions after the reloaded one will be trained again, to other weights
+        if self.learner.past is not None:
             self.learner.past.clear()
         self.intake.reached(self.policy_version)
         logger.warning("%s reloaded version %d from %s", self.prefix(), self.policy_version, source)
@@ -433,25 +465,18 @@ class TrainerPeer(BasePeer):
             )
 
     def _maybe_publish(self) -> None:
-        """Publish the held version if this trainer is the publisher (``PublishSchedule.maybe``)."""
+        """Publish the held version if this trainer is the publisher (``PublishSchedule.maybe``), and remember
+        the stream it went out on (``_weights_known``)."""
         if not self.is_publisher:
             return
         from echo_p2p.weights.model_io import named_tensors
 
-        if self.publishing.maybe(self.policy_version or 0, lambda: named_tensors(self.model)):
-            self._note_publisher_version(self.policy_version or 0)
-
-    def _note_publisher_version(self, version: int) -> None:
-        """Remember ``version`` as this trainer's own (``_weights_known``) when it holds it as the publisher and
-        knows of no other trainer: then the samplers' weights of that version can only be its weights."""
-        stepper = self._stepper  # None before start: nothing is known of the others
-        if (
-            self.is_publisher
-            and stepper is not None
-            and stepper.alone
-            and version not in self._publisher_versions
-        ):
-            self._publisher_versions.append(version)
+        version = self.policy_version or 0
+        stream = self.publishing.publisher.stream_id
+        if self.publishing.maybe(version, lambda: named_tensors(self.model)):
+            self._published[version] = stream
+            while len(self._published) > PUBLISHER_MEMORY:
+                self._published.popitem(last=False)
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         if self.checkpoints is None:
@@ -531,7 +556,7 @@ class TrainerPeer(BasePeer):
             out["bytes_uploaded_per_version"] = round(uploaded / max(1, out["versions_published"]))
         if self.guard is not None:
             out["senders"] = self.guard.stats()
-        draws = getattr(getattr(self, "learner", None), "draws", None)
+        draws = getattr(self.learner, "draws", None)
         if draws is not None:  # replays of seeded draws (train.draw_check)
             out["draws"] = {
                 "replayed": draws.replayed,

@@ -99,6 +99,11 @@ class WeightPublisher:
     def servicer(self):
         return self.endpoint.servicer
 
+    @property
+    def stream_id(self) -> str:
+        """The encoder stream the next version goes out on (``RolloutGroup.weights_stream`` of its samples)."""
+        return self.encoder.stream_id
+
     def start(self) -> WeightPublisher:
         self.endpoint.start()
         if self.reach is None:

@@ -257,3 +257,13 @@ def test_an_epochs_state_is_shared_only_when_every_member_of_the_round_that_left
     partial.transition({"A": None, "B": (4, "t")})  # our averages arrived only in part
     assert not (alone.state_shared(4) or failed.state_shared(4) or partial.state_shared(4))
     assert not (alone.state_shared(5) or failed.state_shared(5) or partial.state_shared(5))
+
+
+def test_a_trainer_step_counts_the_states_it_downloaded() -> None:
+    """``CollabTrainerStep.state_downloads``: the synced optimizer's successful resyncs (a download replaced
+    the trainer's weights: what it published before is no longer what it keeps); 0 for a plain optimizer."""
+    from echo_p2p.collab.optimizer import CollabTrainerStep
+
+    synced = SimpleNamespace(sync_stats={"resyncs": 2, "resync_failures": 5})
+    assert CollabTrainerStep(learner=None, optimizer=synced).state_downloads == 2
+    assert CollabTrainerStep(learner=None, optimizer=SimpleNamespace()).state_downloads == 0

@@ -18,6 +18,7 @@ class FakePublisher:
 
     def __init__(self):
         self.published: list[int] = []
+        self.stream_id = "a1"  # WeightPublisher.stream_id
         self.release = threading.Event()
         self.release.set()
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -106,24 +107,50 @@ def test_a_trainer_publishes_only_while_it_is_the_elected_publisher(tmp_path):
     assert peer._counters()["versions_published"] == 1
 
 
-def test_the_weights_of_a_version_are_known_when_published_alone_or_shared_by_the_whole_round(tmp_path):
-    """The sender guard strikes for replayed draws only under weights known to be the samplers': a version this
-    trainer published knowing of no other trainer, or one whose state every trainer of its round held."""
+def test_the_weights_of_a_version_are_known_when_published_on_the_groups_stream_or_shared_by_the_round(
+    tmp_path,
+):
+    """The sender guard strikes for replayed draws only under weights known to be the group's sampler's: a
+    version this trainer published, since its last state download, on the stream the group names, or one
+    whose state every trainer of its round held. The hour soak of 2026-12-07 banned honest samplers three
+    times: a restarted trainer judged draws sampled under another trainer's weights of the same number, under
+    its own diverged copy of a version it then downloaded, and under its killed incarnation's weights."""
     from types import SimpleNamespace
 
     peer = unstarted_peer(TrainerPeer, tmp_path)
     peer.model = torch.nn.Linear(2, 2)
-    peer.publishing = PublishSchedule(FakePublisher(), in_background=False)
-    stepper = SimpleNamespace(alone=True, state_shared=lambda version: version == 9)
+    publisher = FakePublisher()
+    peer.publishing = PublishSchedule(publisher, in_background=False)
+    stepper = SimpleNamespace(state_downloads=0, state_shared=lambda version: version == 9)
     peer._stepper = stepper
-    peer.is_publisher, peer.policy_version = True, 4
-    peer._maybe_publish()  # alone: version 4 is the samplers'
-    stepper.alone = False  # another trainer appeared (it may publish its own version 5)
-    peer.policy_version = 5
+    peer.is_publisher = True
+
+    def group(version, stream):
+        return SimpleNamespace(policy_version=version, weights_stream=stream)
+
+    for version in (4, 5):
+        peer.policy_version = version
+        peer._maybe_publish()
+    publisher.stream_id = "b2"  # the encoder restarted its stream
+    peer.policy_version = 6
     peer._maybe_publish()
-    assert peer.publishing.publisher.published == [4, 5]
-    assert peer._weights_known(4) and not peer._weights_known(5)
-    assert peer._weights_known(9) and not peer._weights_known(8)  # 9: shared by the round that left it
+    assert publisher.published == [4, 5, 6]
+    assert peer._weights_known(group(4, "a1")) and peer._weights_known(group(6, "b2"))
+    assert not peer._weights_known(group(7, "a1"))  # never published by this trainer
+    assert peer._weights_known(group(9, "zz"))  # 9: shared by the round that left it, whoever published it
+    # another stream, or none, for a version it published: another trainer, or its own killed incarnation,
+    # may have published other weights under that number; the group is not judged by the replay
+    assert not peer._weights_known(group(5, "other")) and not peer._weights_known(group(5, ""))
+    assert peer._weights_known(group(5, "a1"))  # its own stream still is
+    from echo_p2p.train.past_weights import PastWeights
+
+    past = PastWeights(peer.model, keep=4, budget_mb=1)
+    peer.learner = SimpleNamespace(past=past)
+    past.record(6)  # the learner's copy of version 6: this trainer's own weights of it
+    stepper.state_downloads = 1  # a download replaced its state, maybe under version 6 itself
+    assert not peer._weights_known(group(5, "a1")) and not peer._weights_known(group(6, "b2"))
+    assert 6 not in past  # the next step records the downloaded weights, not the old copy kept
+    assert peer._weights_known(group(9, "a1"))
 
 
 def test_a_stopping_trainer_or_a_failed_directory_read_never_changes_the_publisher_role(tmp_path):
