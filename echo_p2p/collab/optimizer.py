@@ -396,11 +396,11 @@ class CollabTrainerStep:
         return int(stats.get("resyncs", 0)) if stats is not None else 0
 
     @property
-    def alone(self) -> bool:
-        """Whether this trainer knows of no other trainer now (hivemind's progress records; True for a plain
-        torch optimizer)."""
-        tracker = getattr(self.optimizer, "tracker", None)
-        return tracker is None or tracker.global_progress.num_peers <= 1
+    def download_pending(self) -> bool:
+        """Whether this trainer's last epoch found its state off the others' and a download of theirs is due
+        (``SyncedOptimizer``'s "out of sync ... will download it"; False for a plain torch optimizer): the
+        version it holds is a lineage the download will replace."""
+        return bool(getattr(self.optimizer, "download_pending", False))
 
     def settle(self) -> None:
         """Wait for background state averaging (``delay_state_averaging``) and apply its result, so the

@@ -300,6 +300,12 @@ class SyncedOptimizer(hivemind.Optimizer):
         version. False for an epoch left alone, by a failed, partial or diverged round, or not left yet."""
         return epoch in self.shared_epochs
 
+    @property
+    def download_pending(self) -> bool:
+        """Whether the last epoch transition found this trainer off the group's state and its next step (or
+        catch-up) downloads theirs: the state it holds now is a lineage about to be replaced."""
+        return self._must_resync
+
     def _publish_tag(self) -> None:
         self.state_averager.sync_tag = self.sync_tag
 

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from typing import Any
 
 from echo_p2p.metrics import peak_rss_mib
@@ -25,6 +25,7 @@ from echo_p2p.net.records import MAX_VERSIONS_PER_SECOND
 from echo_p2p.roles.base import BasePeer
 from echo_p2p.roles.trainer.catchup import CatchUp
 from echo_p2p.roles.trainer.election import elect_publisher, version_rate
+from echo_p2p.roles.trainer.known_weights import KnownWeights
 from echo_p2p.roles.trainer.weights import params_finite, reload_last_good, start_on_serving_grid
 from echo_p2p.train.config import DerivedSettings
 from echo_p2p.train.trackers import Trackers, open_trackers, step_figures
@@ -33,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: Recent steps kept for the status figures and the election's pace (``version_rate``: 30 s of them).
 REWARD_HISTORY = 512
-#: versions remembered with the stream this trainer published them on (more than any kept past version)
-PUBLISHER_MEMORY = 256
 
 
 def trainer_derived_settings(config: Any, tokenizer: Any) -> DerivedSettings:
@@ -71,9 +70,7 @@ class TrainerPeer(BasePeer):
         self.trackers = Trackers([])  # TensorBoard / wandb (--report-to), opened in on_start
         self.last_stats: dict[str, Any] = {}
         self.is_publisher = False
-        #: version -> the stream this trainer published it on, since its last state download (``_weights_known``)
-        self._published: OrderedDict[int, str] = OrderedDict()
-        self._downloads_seen = 0  # the stepper's state downloads when ``_published`` was last checked
+        self.known_weights = KnownWeights()  # the versions it published, by stream (``_weights_known``)
         self._work_started = time.monotonic()
         self._stepper = None
         self.learner = None  # train.learner.Learner, built in on_start
@@ -368,38 +365,27 @@ class TrainerPeer(BasePeer):
 
     def _weights_known(self, group: Any) -> bool:
         """Whether the weights this trainer kept of ``group.policy_version`` are known to be those its sampler
-        had (the sender guard strikes for replayed draws only under such weights; two trainers may hold two
-        lineages under one version number: a chaos soak saw honest samplers banned for it three times):
-
-        - every trainer of the gradient round that left that version held them (``state_shared``);
-        - this trainer published that version, since its last state download, on the stream the group names
-          (``RolloutGroup.weights_stream``).
-
-        A group naming another stream, or none, is not judged by the replay even when this trainer published
-        that version: another trainer, or this trainer's own killed incarnation, may have published other
-        weights under the same number (docs/security.md)."""
-        version, stream = group.policy_version, group.weights_stream
+        had (``KnownWeights.known``): the sender guard strikes for replayed draws only under such weights."""
         if self._stepper is None:
             return False
-        if self._stepper.state_shared(version):
-            return True
         self._forget_if_replaced()
-        mine = self._published.get(version)
-        return mine is not None and stream == mine
+        version = group.policy_version
+        return self.known_weights.known(version, group.weights_stream, self._stepper.state_shared(version))
 
     def _forget_if_replaced(self) -> None:
         """A state download replaced this trainer's weights with another lineage's, often under a version number
-        it held already: forget the versions it published before, and the weights the learner kept of each
-        version (``PastWeights`` keeps the first copy recorded under a number, so the copy of the version a
-        download landed on was this trainer's own diverged one: in the hour soak of 2026-12-07 a trainer
-        replayed the samplers' draws of a version its round had just shared under that copy, missed by up
-        to 0.84 of the probability mass, and banned all four)."""
+        it held already: count the versions it published as replaced (``KnownWeights``), and forget the weights
+        the learner kept of each version (``PastWeights`` keeps the first copy recorded under a number, so the
+        copy of the version a download landed on was this trainer's own diverged one: in the hour soak of
+        2026-12-07 a trainer replayed the samplers' draws of a version its round had just shared under that
+        copy, missed by up to 0.84 of the probability mass, and banned all four)."""
         downloads = self._stepper.state_downloads if self._stepper is not None else 0
-        if downloads != self._downloads_seen:
-            self._downloads_seen = downloads
-            self._published.clear()
-            if self.learner is not None and self.learner.past is not None:
-                self.learner.past.clear()
+        if (
+            self.known_weights.downloads(downloads)
+            and self.learner is not None
+            and self.learner.past is not None
+        ):
+            self.learner.past.clear()
 
     def _recover_nonfinite(self) -> None:
         """The weights went NaN/inf after an update: reload the last good state (``reload_last_good``), or
@@ -418,7 +404,7 @@ class TrainerPeer(BasePeer):
             return
         self.policy_version = self._stepper.version
         self.guard.drift.reset()
-        self._published.clear()  # the versions after the reloaded one will be trained again, to other weights
+        self.known_weights.weights_replaced()  # the versions after the reloaded one will be trained again
         if self.learner.past is not None:
             self.learner.past.clear()
         self.intake.reached(self.policy_version)
@@ -467,16 +453,14 @@ class TrainerPeer(BasePeer):
     def _maybe_publish(self) -> None:
         """Publish the held version if this trainer is the publisher (``PublishSchedule.maybe``), and remember
         the stream it went out on (``_weights_known``)."""
-        if not self.is_publisher:
-            return
+        if not self.is_publisher or (self._stepper is not None and self._stepper.download_pending):
+            return  # a trainer whose state is off the others' publishes nothing until the download replaced it
         from echo_p2p.weights.model_io import named_tensors
 
         version = self.policy_version or 0
         stream = self.publishing.publisher.stream_id
         if self.publishing.maybe(version, lambda: named_tensors(self.model)):
-            self._published[version] = stream
-            while len(self._published) > PUBLISHER_MEMORY:
-                self._published.popitem(last=False)
+            self.known_weights.record(version, stream)
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         if self.checkpoints is None:

@@ -68,6 +68,8 @@ class _Fake(SyncedOptimizer):
 
 
 def test_members_that_agree_take_the_same_new_token_and_the_others_resync() -> None:
+    from echo_p2p.collab.optimizer import CollabTrainerStep
+
     a, b, c = _Fake("A", 4, "t", 3), _Fake("B", 4, "t", 3), _Fake("C", 4, "other", 3)
     tags = {"A": (4, "t"), "B": (4, "t"), "C": (4, "other")}
     for opt in (a, b, c):
@@ -76,7 +78,12 @@ def test_members_that_agree_take_the_same_new_token_and_the_others_resync() -> N
     assert a.in_sync and b.in_sync and not (a._must_resync or b._must_resync)
     assert not c.in_sync and c._must_resync and c.sync_token not in ("other", a.sync_token)
     assert c.state_averager.sync_tag == (5, c.sync_token)  # served with the state from now on
+    # until that download, its trainer publishes nothing (``CollabTrainerStep.download_pending``)
+    assert c.download_pending and not a.download_pending
+    assert CollabTrainerStep(learner=None, optimizer=c).download_pending
     assert c._should_load_state_from_peers() and not c._must_resync  # one download per detection
+    assert not c.download_pending
+    assert not CollabTrainerStep(learner=None, optimizer=SimpleNamespace()).download_pending  # plain torch
 
 
 def test_a_trainer_one_epoch_behind_resyncs_even_with_the_same_token() -> None:

@@ -114,14 +114,19 @@ def test_the_weights_of_a_version_are_known_when_published_on_the_groups_stream_
     version this trainer published, since its last state download, on the stream the group names, or one
     whose state every trainer of its round held. The hour soak of 2026-12-07 banned honest samplers three
     times: a restarted trainer judged draws sampled under another trainer's weights of the same number, under
-    its own diverged copy of a version it then downloaded, and under its killed incarnation's weights."""
+    its own diverged copy of a version it then downloaded, and under its killed incarnation's weights; the
+    hour at 9af02c6 once more, under the weights a round shared of a number it had published from its own
+    lineage just before downloading the others'."""
     from types import SimpleNamespace
 
     peer = unstarted_peer(TrainerPeer, tmp_path)
     peer.model = torch.nn.Linear(2, 2)
     publisher = FakePublisher()
     peer.publishing = PublishSchedule(publisher, in_background=False)
-    stepper = SimpleNamespace(state_downloads=0, state_shared=lambda version: version == 9)
+    shared = {9}
+    stepper = SimpleNamespace(
+        state_downloads=0, download_pending=False, state_shared=lambda version: version in shared
+    )
     peer._stepper = stepper
     peer.is_publisher = True
 
@@ -151,6 +156,18 @@ def test_the_weights_of_a_version_are_known_when_published_on_the_groups_stream_
     assert not peer._weights_known(group(5, "a1")) and not peer._weights_known(group(6, "b2"))
     assert 6 not in past  # the next step records the downloaded weights, not the old copy kept
     assert peer._weights_known(group(9, "a1"))
+    # a later round shares 6 (the downloaded weights): the samplers holding the 6 this trainer published on
+    # "b2" before the download had other weights; another stream's 6 may be the shared one
+    shared.add(6)
+    assert not peer._weights_known(group(6, "b2")) and peer._weights_known(group(6, "c3"))
+    # a trainer that knows its state is off the others' publishes nothing until the download replaced it
+    stepper.download_pending = True
+    peer.policy_version = 7
+    peer._maybe_publish()
+    stepper.download_pending = False
+    assert publisher.published == [4, 5, 6]
+    peer._maybe_publish()
+    assert publisher.published == [4, 5, 6, 7] and peer._weights_known(group(7, "b2"))
 
 
 def test_a_stopping_trainer_or_a_failed_directory_read_never_changes_the_publisher_role(tmp_path):
