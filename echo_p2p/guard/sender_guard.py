@@ -125,8 +125,8 @@ class SenderGuard:
 
         ``known(group)``: whether the weights the learner kept of the group's version are known to be the ones
         its sampler had (``TrainerPeer._weights_known``: the trainer's state of that epoch was shared by every
-        trainer of its gradient round, or the trainer published that version on the stream the group names;
-        None: always). Replays and exact scores are exact only under those weights: a trainer whose round came
+        trainer of its gradient round, or the trainer published that version on the stream the group names and
+        still holds those weights: ``roles.trainer.known_weights``; None: always). Replays and exact scores are exact only under those weights: a trainer whose round came
         back partial, or that stepped alone while another published, holds other weights under the same
         version number, and honest samplers' draws miss them by 0.1-0.2 of the probability mass (chaos soaks
         saw every sampler banned that way and the run stall for 350 s).

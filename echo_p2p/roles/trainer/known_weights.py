@@ -49,13 +49,11 @@ class KnownWeights:
         self._bound(self.replaced)
         self.published.clear()
 
-    def downloads(self, count: int) -> bool:
-        """The stepper's state downloads so far; True (and the weights counted replaced) when that changed."""
-        if count == self._downloads_seen:
-            return False
-        self._downloads_seen = count
-        self.weights_replaced()
-        return True
+    def downloaded_since(self, count: int) -> bool:
+        """``count``: the stepper's state downloads so far; True when it changed since the last call (a download
+        replaced the weights: the caller then calls ``weights_replaced``)."""
+        changed, self._downloads_seen = count != self._downloads_seen, count
+        return changed
 
     def known(self, version: int, stream: str, shared: bool) -> bool:
         """Whether a group of ``version`` sampled under ``stream`` had this trainer's kept weights of it;

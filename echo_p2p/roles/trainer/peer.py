@@ -290,7 +290,7 @@ class TrainerPeer(BasePeer):
         version_before = self.policy_version or 0
         allowances = self.guard.allowances(batch, version_before)
         result = self._stepper(batch, gap_allowance=allowances)
-        self._forget_if_replaced()  # the step may have downloaded the others' state (``_weights_known``)
+        self._forget_if_replaced()  # the step may have downloaded the others' state: before the guard judges
         drift = None
         if result.advanced:  # the weights moved: how far (the allowance of later stale groups)
             drift = self.learner.measure_drift()
@@ -368,23 +368,26 @@ class TrainerPeer(BasePeer):
         had (``KnownWeights.known``): the sender guard strikes for replayed draws only under such weights."""
         if self._stepper is None:
             return False
-        self._forget_if_replaced()
         version = group.policy_version
         return self.known_weights.known(version, group.weights_stream, self._stepper.state_shared(version))
 
     def _forget_if_replaced(self) -> None:
-        """A state download replaced this trainer's weights with another lineage's, often under a version number
-        it held already: count the versions it published as replaced (``KnownWeights``), and forget the weights
-        the learner kept of each version (``PastWeights`` keeps the first copy recorded under a number, so the
-        copy of the version a download landed on was this trainer's own diverged one: in the hour soak of
-        2026-12-07 a trainer replayed the samplers' draws of a version its round had just shared under that
-        copy, missed by up to 0.84 of the probability mass, and banned all four)."""
+        """After a step, a catch-up or an idle round: when a state download replaced this trainer's weights with
+        another lineage's since the last call, ``_weights_replaced`` (called before the guard judges and
+        before a version is published, so a version published after the download counts as this lineage's)."""
         downloads = self._stepper.state_downloads if self._stepper is not None else 0
-        if (
-            self.known_weights.downloads(downloads)
-            and self.learner is not None
-            and self.learner.past is not None
-        ):
+        if self.known_weights.downloaded_since(downloads):
+            self._weights_replaced()
+
+    def _weights_replaced(self) -> None:
+        """A state download or a reload of the last good state replaced this trainer's weights, often under a
+        version number it held already: count the versions it published as replaced (``KnownWeights``), and
+        forget the weights the learner kept of each version (``PastWeights`` keeps the first copy recorded
+        under a number, so the copy of the version a download landed on was this trainer's own diverged one:
+        in the hour soak of 2026-12-07 a trainer replayed the samplers' draws of a version its round had just
+        shared under that copy, missed by up to 0.84 of the probability mass, and banned all four)."""
+        self.known_weights.weights_replaced()
+        if self.learner is not None and self.learner.past is not None:
             self.learner.past.clear()
 
     def _recover_nonfinite(self) -> None:
@@ -404,9 +407,7 @@ class TrainerPeer(BasePeer):
             return
         self.policy_version = self._stepper.version
         self.guard.drift.reset()
-        self.known_weights.weights_replaced()  # the versions after the reloaded one will be trained again
-        if self.learner.past is not None:
-            self.learner.past.clear()
+        self._weights_replaced()  # the versions after the reloaded one will be trained again, to other weights
         self.intake.reached(self.policy_version)
         logger.warning("%s reloaded version %d from %s", self.prefix(), self.policy_version, source)
 

@@ -153,6 +153,7 @@ def test_the_weights_of_a_version_are_known_when_published_on_the_groups_stream_
     peer.learner = SimpleNamespace(past=past)
     past.record(6)  # the learner's copy of version 6: this trainer's own weights of it
     stepper.state_downloads = 1  # a download replaced its state, maybe under version 6 itself
+    peer._forget_if_replaced()  # as the trainer does after each step, before the guard judges
     assert not peer._weights_known(group(5, "a1")) and not peer._weights_known(group(6, "b2"))
     assert 6 not in past  # the next step records the downloaded weights, not the old copy kept
     assert peer._weights_known(group(9, "a1"))
