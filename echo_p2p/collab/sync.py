@@ -244,6 +244,7 @@ class SyncedOptimizer(hivemind.Optimizer):
             advanced=0,
             partial=0,
             idle_rounds=0,
+            nonfinite_rounds=0,
         )
         self._must_resync = False
         # while ``join_round_while_idle`` runs an epoch transition: the samples it joined with (its weight)
@@ -333,6 +334,9 @@ class SyncedOptimizer(hivemind.Optimizer):
         try:
             if maybe_step_control is not None:
                 gathered = self._round_result(maybe_step_control)
+                if not self._averaged_gradients_finite():
+                    self.sync_stats["nonfinite_rounds"] += 1
+                    raise FloatingPointError("the round's averaged gradients are not finite")
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
                 self._load_averaged_gradients_into_optimizer_()
                 averaged = True
@@ -345,6 +349,16 @@ class SyncedOptimizer(hivemind.Optimizer):
             if self._idle_weight is not None:
                 raise _NoRound("the gradient round an idle trainer joined did not complete")
             self._load_local_gradients_into_optimizer()
+
+    def _averaged_gradients_finite(self) -> bool:
+        """Whether every averaged gradient a round left in the averager's buffers is finite. hivemind 1.1.12's
+        ``TensorPartReducer`` divides each part by the sum of its senders' weights: when the only sender of a
+        part that reached its host joined with weight 0 (an idle trainer, ``join_round_while_idle``, or one
+        tagging along before a download) and the other failed, the part is 0/0 (a test plays it on hivemind's
+        own reducer). Such a round is treated as failed (own gradients, or no update for an idle trainer,
+        and a download of the others' state), never applied: applied, it made the weights NaN."""
+        with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
+            return all(bool(torch.isfinite(tensor).all()) for tensor in averaged)
 
     def _round_result(self, control: Any) -> Any:
         """The gathered data of a gradient round, waited for at most ``averaging_timeout`` seconds, or less:

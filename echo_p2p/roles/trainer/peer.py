@@ -529,6 +529,10 @@ class TrainerPeer(BasePeer):
             "catch_ups": self.catch_up.downloads if self.catch_up is not None else 0,
             # versions reached in the other trainers' rounds while this one had no batch
             "idle_rounds": self.optimizer.sync_stats["idle_rounds"] if self.optimizer is not None else 0,
+            # gradient rounds whose average was not finite (treated as failed, never applied)
+            "nonfinite_rounds": self.optimizer.sync_stats["nonfinite_rounds"]
+            if self.optimizer is not None
+            else 0,
             "went_on_alone": self.catch_up.went_on_alone if self.catch_up is not None else 0,
             "versions_published": self.publishing.published if self.publishing is not None else 0,
             "peak_rss_mib": peak_rss_mib(),

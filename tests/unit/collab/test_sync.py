@@ -54,7 +54,14 @@ class _Fake(SyncedOptimizer):
         self._idle_weight = None
         self.shared_epochs = deque(maxlen=EPOCH_MEMORY)
         self.sync_stats = dict(
-            agreed=0, solo=0, diverged=0, failed_rounds=0, resyncs=0, resync_failures=0, partial=0
+            agreed=0,
+            solo=0,
+            diverged=0,
+            failed_rounds=0,
+            resyncs=0,
+            resync_failures=0,
+            partial=0,
+            nonfinite_rounds=0,
         )
 
     def __del__(self) -> None:  # hivemind's would shut a swarm down
@@ -274,3 +281,82 @@ def test_a_trainer_step_counts_the_states_it_downloaded() -> None:
     synced = SimpleNamespace(sync_stats={"resyncs": 2, "resync_failures": 5})
     assert CollabTrainerStep(learner=None, optimizer=synced).state_downloads == 2
     assert CollabTrainerStep(learner=None, optimizer=SimpleNamespace()).state_downloads == 0
+
+
+def test_hivemind_averages_a_part_whose_only_remaining_sender_has_weight_0_to_nan() -> None:
+    """Why ``SyncedOptimizer`` checks a round's average: hivemind 1.1.12's reducer divides a part by the sum of
+    its senders' weights, so a part sent only by a member that joined with weight 0 (an idle trainer) while
+    the other member failed comes out 0/0. This plays it on hivemind's own ``TensorPartReducer``."""
+    import asyncio
+
+    import torch
+    from hivemind.averaging.partition import TensorPartReducer
+
+    async def play() -> torch.Tensor:
+        reducer = TensorPartReducer([torch.Size([3])], num_senders=2)
+        idle = asyncio.create_task(reducer.accumulate_part(0, 0, torch.zeros(3), weight=0.0))
+        await asyncio.sleep(0)
+        reducer.on_sender_failed(1)  # the member with samples never sent its part
+        return await idle
+
+    assert torch.isnan(asyncio.run(play())).all()
+
+
+class _Averager:
+    """The gradient averager as ``_average_gradients_and_load_into_optimizer`` sees it: averaged buffers that a
+    round filled, local accumulators it falls back to."""
+
+    def __init__(self, averaged: list, local: list) -> None:
+        self.averaged, self.local = averaged, local
+
+    def get_tensors(self):
+        import contextlib
+
+        return contextlib.nullcontext(self.averaged)
+
+    def load_accumulators_into_averager_(self) -> None:
+        for buffer, value in zip(self.averaged, self.local, strict=True):
+            buffer.copy_(value)
+
+
+def test_a_round_whose_average_is_not_finite_is_never_applied() -> None:
+    """The hour at 85050cd: a trainer's weights became NaN after a partial round and it reloaded a checkpoint.
+    Now a round whose averaged gradients are not finite counts as failed: a trainer that stepped applies its
+    own gradients and downloads the others' state, an idle one (weight 0) stays at its epoch; a finite round
+    is applied as it came."""
+    import threading
+
+    import torch
+
+    from echo_p2p.collab.sync import _NoRound
+
+    def played(averaged: list, idle_weight: int | None):
+        opt = _Fake("A", 4, "t", 2)
+        opt.averaging_timeout, opt.leaving, opt.status_loglevel = 5.0, threading.Event(), 10
+        opt._idle_weight = idle_weight
+        opt.grad_averager = _Averager(averaged, [torch.ones(2), torch.ones(1)])
+        loaded: list = []
+        opt._load_averaged_gradients_into_optimizer_ = lambda: loaded.append([t.clone() for t in averaged])
+        round_ = _Round()
+        round_.ready.set()
+        try:
+            opt._average_gradients_and_load_into_optimizer(round_)
+        except _NoRound:
+            return opt, loaded, True
+        return opt, loaded, False
+
+    nan = [torch.tensor([0.5, float("nan")]), torch.tensor([2.0])]
+    opt, loaded, abandoned = played([t.clone() for t in nan], idle_weight=None)
+    assert not abandoned and opt.sync_stats["nonfinite_rounds"] == 1 and opt._round_tags is None
+    assert len(loaded) == 1 and all(torch.equal(t, torch.ones_like(t)) for t in loaded[0])  # own gradients
+    opt.state_averager.local_epoch += 1
+    opt._after_epoch((4, "t"))
+    assert opt._must_resync and not opt.in_sync  # a failed round with another trainer: download theirs
+
+    opt, loaded, abandoned = played([t.clone() for t in nan], idle_weight=0)
+    assert abandoned and not loaded and opt.sync_stats["nonfinite_rounds"] == 1
+
+    finite = [torch.tensor([0.5, -1.0]), torch.tensor([2.0])]
+    opt, loaded, abandoned = played([t.clone() for t in finite], idle_weight=0)
+    assert not abandoned and opt.sync_stats["nonfinite_rounds"] == 0 and opt._round_tags == {"peer": (1, "t")}
+    assert all(torch.equal(a, b) for a, b in zip(loaded[0], finite, strict=True))
