@@ -45,7 +45,7 @@ def build_intake(
     keys: Any,
     trust: Any,
     stop_event: threading.Event,
-    prefix: str = "",
+    prefix: Callable[[], str] = lambda: "",
 ) -> IntakeParts:
     """The intake of a trainer peer with ``config`` (a ``PeerConfig``) training ``task``.
 

@@ -41,15 +41,11 @@ class CatchUp:
         directory,
         trust,
         future_refused: Callable[[], int],
-        prefix: str = "",
+        prefix: Callable[[], str] = lambda: "",
     ) -> None:
         self.peer_id, self.stepper, self.reached, self.drift = peer_id, stepper, reached, drift
-        self.directory, self.trust, self.future_refused, self.prefix = (
-            directory,
-            trust,
-            future_refused,
-            prefix,
-        )
+        self.directory, self.trust, self.future_refused = directory, trust, future_refused
+        self.prefix = prefix  # the log prefix, read per line (the version in it moves)
         self.downloads = 0  # state downloads that moved this trainer
         self.went_on_alone = 0  # times it took the version after an orphaned one
         self._next_at = -float("inf")  # monotonic time before which no attempt is made
@@ -74,7 +70,9 @@ class CatchUp:
         # the downloaded weights are not ours moved by an update: the drift over the span is unknown
         self.drift.record(before, after, None)
         if self.reached(after):
-            logger.info("%s caught up with the other trainers: version %d -> %d", self.prefix, before, after)
+            logger.info(
+                "%s caught up with the other trainers: version %d -> %d", self.prefix(), before, after
+            )
 
     def _behind_unseen(self, before: int) -> bool:
         """The progress records did not show this trainer behind, yet pushes were refused as ``future_version``
@@ -95,7 +93,7 @@ class CatchUp:
         if live_trainer_ahead(self.peer_id, before, records, self.trust):
             logger.info(
                 "%s rollouts of versions above %d refused and a live trainer announces one: downloading its state",
-                self.prefix,
+                self.prefix(),
                 before,
             )
             return self.stepper.catch_up(force=True)
@@ -105,7 +103,7 @@ class CatchUp:
             self.drift.record(before, target, None)
             logger.warning(
                 "%s version %d was published by a trainer that left while this one was at %d: going on as %d",
-                self.prefix, target - 1, before, target,
+                self.prefix(), target - 1, before, target,
             )  # fmt: skip
             self.reached(target)
         return False

@@ -19,6 +19,7 @@ import os
 import random
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from echo_p2p.train.buffer import recommended_capacity
@@ -42,14 +43,14 @@ class SyncIntake:
         task: Any,
         config: Any,
         stop_event: threading.Event,
-        prefix: str = "",
+        prefix: Callable[[], str] = lambda: "",
     ) -> None:
         self.client = client  # a SampleClient
         self.validator = validator  # an IngestValidator
         self.task = task
         self.config = config  # the PeerConfig
         self.stop_event = stop_event
-        self.prefix = prefix
+        self.prefix = prefix  # the log prefix, read per line (the version in it moves)
         self.rejected: Counter[str] = Counter()
         self._rng = random.Random(config.seed)
 
@@ -82,13 +83,13 @@ class SyncIntake:
                 max_new_tokens=self.config.run.max_new_tokens or 0,
             )
         except Exception as exc:  # no inference peer yet, all of them failed: wait and ask again
-            logger.info("%s sync collection failed: %s", self.prefix, exc)
+            logger.info("%s sync collection failed: %s", self.prefix(), exc)
             self.stop_event.wait(1.0)
             return None
         if len(scored) < section.prompts_per_step:
             logger.info(
                 "%s got %d/%d groups at version %d before the deadline",
-                self.prefix,
+                self.prefix(),
                 len(scored),
                 section.prompts_per_step,
                 version,
@@ -174,14 +175,14 @@ class AsyncIntake:
         buffer: Any,
         section: Any,
         journal: Any = None,
-        prefix: str = "",
+        prefix: Callable[[], str] = lambda: "",
         ingest: Any = None,
         pacer: Any = None,
     ) -> None:
         self.buffer = buffer
         self.section = section
         self.journal = journal
-        self.prefix = prefix
+        self.prefix = prefix  # the log prefix, read per line (the version in it moves)
         self.ingest = ingest
         self.pacer = pacer
         self.recovered = 0  # groups read back from the journal and buffered again
@@ -240,7 +241,7 @@ class AsyncIntake:
             logger.info(
                 "%s recovered %d acknowledged groups from its intake journal (%d more were too stale at "
                 "version %d)",
-                self.prefix,
+                self.prefix(),
                 self.recovered,
                 self.recovered_stale,
                 version,

@@ -181,7 +181,7 @@ class TrainerPeer(BasePeer):
             self.publisher,
             in_background=self.config.mode == "async",
             interval=section.publish_interval,
-            prefix=self.prefix(),
+            prefix=self.prefix,
         )
         self.loop = P2PLoop.from_dht(self.dht)
         parts = build_intake(
@@ -195,7 +195,7 @@ class TrainerPeer(BasePeer):
             keys=self.keys,
             trust=self.trust,
             stop_event=self.stop_event,
-            prefix=self.prefix(),
+            prefix=self.prefix,
         )
         self.intake, self.guard = parts.intake, parts.guard
         self.catch_up = CatchUp(
@@ -206,7 +206,7 @@ class TrainerPeer(BasePeer):
             self.directory,
             self.trust,
             self.intake.future_refused,
-            self.prefix(),
+            self.prefix,
         )
         if not self.trust.configured:
             logger.warning(

@@ -33,13 +33,13 @@ class PublishSchedule:
         in_background: bool,
         interval: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
-        prefix: str = "",
+        prefix: Callable[[], str] = lambda: "",
     ) -> None:
         self.publisher = publisher
         self.in_background = in_background
         self.interval = interval
         self.clock = clock
-        self.prefix = prefix
+        self.prefix = prefix  # the log prefix, read per line (the version in it moves)
         self.published = 0  # versions handed to the publisher
         self.seconds = 0.0  # time the training thread spent handing them over
         self._version: int | None = None  # the newest version handed over
@@ -79,4 +79,4 @@ class PublishSchedule:
         future, self._in_flight = self._in_flight, None
         exc = future.exception() if future is not None else None
         if exc is not None:
-            logger.error("%s publishing a version failed: %r", self.prefix, exc)
+            logger.error("%s publishing a version failed: %r", self.prefix(), exc)

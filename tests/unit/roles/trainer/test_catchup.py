@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 
 def test_a_trainer_behind_a_version_nobody_alive_holds_goes_on_after_it():
     """The publisher died while the other trainer was behind it: nobody can give that state any more."""
@@ -94,7 +96,9 @@ def test_a_trainer_whose_catch_up_loads_nothing_goes_on_alone_only_after_new_fut
     assert directory.reads == 1 and stepper.downloads == 3
 
 
-def test_a_trainer_whose_progress_reads_miss_a_live_trainer_ahead_downloads_its_state_when_refusing_rollouts():
+def test_a_trainer_whose_progress_reads_miss_a_live_trainer_ahead_downloads_its_state_when_refusing_rollouts(
+    caplog,
+):
     """The progress records do not show the trainer behind (its reads missed its partner's epoch), yet the
     samplers hold a newer version: pushes are refused as future_version and a live trusted trainer announces
     that version. The trainer downloads the state anyway (a fresh-clone run froze for two minutes: the late
@@ -133,14 +137,18 @@ def test_a_trainer_whose_progress_reads_miss_a_live_trainer_ahead_downloads_its_
     stepper, reached, refused = Stepper(), [], [0]
     catch_up = CatchUp(
         me, stepper, lambda v: reached.append(v) or True, SimpleNamespace(record=lambda *span: None), directory,
-        trust, lambda: refused[0],
+        trust, lambda: refused[0], prefix=lambda: f"[trainer v{stepper.version}]",
     )  # fmt: skip
     catch_up.maybe(idle_since=-1e9)  # nothing refused: no forced download
     assert stepper.asked == [False] and stepper.version == 62
     catch_up._next_at = 0.0
     refused[0] = 50
-    catch_up.maybe(idle_since=-1e9)
+    with caplog.at_level(logging.INFO, logger="echo_p2p.roles.trainer.catchup"):
+        catch_up.maybe(idle_since=-1e9)
     assert stepper.asked == [False, False, True] and stepper.version == 63 and reached == [63]
+    # the log prefix is read when the line is written: the version it names is the one reached (it once
+    # named the version the trainer was built at, "[trainer v460] caught up ... 808 -> 816")
+    assert "[trainer v63] caught up with the other trainers: version 62 -> 63" in caplog.text
     assert catch_up.downloads == 1 and catch_up.went_on_alone == 0
     # only a running, trusted trainer other than this one, ahead of it, counts
     assert live_trainer_ahead(me, 62, records, trust)
