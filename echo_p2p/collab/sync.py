@@ -336,6 +336,10 @@ class SyncedOptimizer(hivemind.Optimizer):
                 gathered = self._round_result(maybe_step_control)
                 if not self._averaged_gradients_finite():
                     self.sync_stats["nonfinite_rounds"] += 1
+                    logger.warning(
+                        "the gradient round of epoch %d averaged to non-finite values: not applied",
+                        self.local_epoch,
+                    )
                     raise FloatingPointError("the round's averaged gradients are not finite")
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
                 self._load_averaged_gradients_into_optimizer_()
