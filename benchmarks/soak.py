@@ -80,6 +80,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
@@ -248,7 +250,8 @@ class Soak:
         record_path = self.workdir / "run.record"
         rr.write_file(record_path, *rr.sign(record, owner))
         config = self.workdir / "peer.yaml"
-        config.write_text(f"metrics_period: {args.metrics_period}\n")
+        settings = {"metrics_period": args.metrics_period, **parse_settings(args.set)}
+        config.write_text(yaml.safe_dump(settings))
 
         self.lab = NetLab().__enter__()
         lab = self.lab
@@ -886,6 +889,7 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
         "honest_peers_banned": honest_banned,
         "trainer_senders_banned_max": trainer_bans,
         "unexpected_exits": soak.exits,
+        "trainer_rounds": count_round_events(soak.logs),
         "resources": resources,
         "probe_reads": len(probe),
         "goals": goals,
@@ -899,6 +903,46 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
             for p in soak.peers.values()
         },
     }
+
+
+#: log lines of a trainer that say how its gradient rounds went (``echo_p2p.collab.sync``, the trainer peer)
+ROUND_EVENTS = {
+    "partial": "arrived only in part",
+    "out_of_sync": "trainer state out of sync",
+    "nonfinite_rounds": "averaged to non-finite values",
+    "nonfinite_weights": "weights are not finite after an update",
+}
+
+
+def count_round_events(logs: Path) -> dict[str, dict[str, int]]:
+    """Per trainer, over all its incarnations' logs: how many gradient rounds came back partial, found its
+    state off the others', averaged to non-finite values, and how often its weights went non-finite."""
+    out: dict[str, dict[str, int]] = {}
+    for log in sorted(logs.glob("trainer*-*.log")):
+        name = log.name.rsplit("-", 1)[0]
+        counts = out.setdefault(name, dict.fromkeys(ROUND_EVENTS, 0))
+        with open(log, errors="replace") as f:
+            for line in f:
+                for key, text in ROUND_EVENTS.items():
+                    if text in line:
+                        counts[key] += 1
+    return out
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """``--set trainer.collab.next_chunk_timeout=3`` (repeatable) as the nested mapping of the peers' YAML
+    config; values are read as YAML scalars."""
+    root: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
+        *parents, leaf = key.split(".")
+        node = root
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return root
 
 
 def summarise_resources(soak: Soak, start: float) -> dict[str, Any]:
@@ -1063,6 +1107,11 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
         f"bans seen: {len(r['bans'])}; honest peers banned {len(r['honest_peers_banned'])}; trainers' "
         f"senders.banned max {r['trainer_senders_banned_max']}"
     )
+    for name, counts in r["trainer_rounds"].items():
+        print(
+            f"{name}: gradient rounds partial {counts['partial']}, state off the others' {counts['out_of_sync']}, "
+            f"averaged to non-finite {counts['nonfinite_rounds']}; weights non-finite {counts['nonfinite_weights']}"
+        )
     if r["unexpected_exits"]:
         print(f"peers that exited by themselves (restarted): {len(r['unexpected_exits'])}")
         for e in r["unexpected_exits"]:
@@ -1178,6 +1227,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rss-min-span", type=float, default=600.0, help="least s of samples to fit growth")
     p.add_argument("--start-timeout", type=float, default=300.0, help="s to wait for the first version")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of every peer's config, dotted (e.g. trainer.collab.next_chunk_timeout=3; repeatable)",
+    )
     p.add_argument("--workdir", default=None, help="logs, metrics, probe lines (default /tmp/echo-soak-*)")
     p.add_argument("--out", default=str(HERE / "results" / "soak.json"))
     return p

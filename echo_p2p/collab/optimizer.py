@@ -129,6 +129,13 @@ class CollabOptimizerConfig(BaseModel):
         description="Seconds after which an averaging round is cancelled (the trainer then proceeds with its "
         "local gradients). About twice the real all-reduce time.",
     )
+    next_chunk_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds a gradient all-reduce waits for a member's next part (hivemind's "
+        "``next_chunk_timeout``; a member later than that is left out of the part and the round comes back "
+        "partial, twice that for a part's result). None: ``matchmaking_time``, hivemind's default.",
+    )
     request_timeout: float = Field(
         default=0.5,
         gt=0,
@@ -292,6 +299,7 @@ def make_collab_optimizer(
         use_local_updates=False,
         matchmaking_time=config.matchmaking_time,
         averaging_timeout=config.averaging_timeout,
+        next_chunk_timeout=config.next_chunk_timeout,
         load_state_timeout=config.load_state_timeout,
         average_state_every=config.average_state_every or NEVER,
         delay_state_averaging=config.delay_state_averaging,
