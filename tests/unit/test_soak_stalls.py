@@ -46,3 +46,31 @@ def test_rss_growth_is_a_steady_climb_not_one_dip_or_one_step(monkeypatch):
     # a step in the middle of a 10-minute fit is not told from a leak by any slope: it reads as growth
     assert soak.growth_pct_per_h([(t, 1560.0 if t < 1210 else 1630.0) for t in times]) > 5.0
     assert soak.growth_pct_per_h([(t, 100.0) for t in times]) == 0.0
+
+
+def test_the_soak_counts_each_trainers_round_events_over_its_incarnations_and_sets_peer_options(
+    monkeypatch, tmp_path
+):
+    """How the trainers' gradient rounds went is in the soak's results (the hour at b28f170: 114 rounds came
+    back partial without a trainer fault); ``--set`` reaches every peer's YAML config."""
+    soak = load_soak(monkeypatch)
+    partial = (
+        "[INFO] echo_p2p.collab.sync: gradient round of epoch 15 arrived only in part: a lineage of our own\n"
+    )
+    off = "[INFO] echo_p2p.collab.sync: trainer state out of sync at epoch 50 (ours ...): will download it\n"
+    nan = "[WARNING] echo_p2p.collab.sync: the gradient round of epoch 7 averaged to non-finite values: not applied\n"
+    (tmp_path / "trainer0-1.log").write_text(partial * 2 + off + "unrelated\n")
+    (tmp_path / "trainer0-2.log").write_text(partial + nan)
+    (tmp_path / "trainer1-1.log").write_text("nothing\n")
+    (tmp_path / "inference0-1.log").write_text(partial)  # not a trainer
+    counts = soak.count_round_events(tmp_path)
+    assert counts == {
+        "trainer0": {"partial": 3, "out_of_sync": 1, "nonfinite_rounds": 1, "nonfinite_weights": 0},
+        "trainer1": {"partial": 0, "out_of_sync": 0, "nonfinite_rounds": 0, "nonfinite_weights": 0},
+    }
+    settings = soak.parse_settings(["trainer.collab.next_chunk_timeout=5", "trainer.collab.verbose=true"])
+    assert settings == {"trainer": {"collab": {"next_chunk_timeout": 5, "verbose": True}}}
+    import pytest
+
+    with pytest.raises(SystemExit):
+        soak.parse_settings(["trainer.collab.next_chunk_timeout"])
