@@ -64,7 +64,9 @@ def main() -> None:
             _AsyncContextWrapper.EXECUTOR_LOCK,
         ):
             lock.acquire()
-        open(out, "w").write("held")
+        with open(out + ".tmp", "w") as f:
+            f.write("held")
+        os.replace(out + ".tmp", out)  # whole: the test polls for the file and reads it at once
         time.sleep(60)
     if mode == "future":  # what a peer's DHT start does first: a future backend, shared bytes, the executor
         from hivemind.utils.asyncio import _AsyncContextWrapper
