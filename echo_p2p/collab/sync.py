@@ -81,6 +81,12 @@ EPOCH_MEMORY = (
 )
 
 
+#: what ``SyncedOptimizer.sync_stats`` counts (epoch transitions by outcome, state downloads, idle and
+#: non-finite rounds)
+SYNC_STATS = ("agreed", "solo", "diverged", "failed_rounds", "resyncs", "resync_failures", "advanced", "partial",
+              "idle_rounds", "nonfinite_rounds")  # fmt: skip
+
+
 class _NoRound(Exception):
     """The gradient round an idle trainer joined did not complete: its epoch transition is abandoned."""
 
@@ -234,18 +240,7 @@ class SyncedOptimizer(hivemind.Optimizer):
         self.in_sync = False  # last epoch transition agreed with the group (or state just downloaded)
         #: epochs whose state every member of the round that left them held (all their tags equal ours)
         self.shared_epochs: deque[int] = deque(maxlen=EPOCH_MEMORY)
-        self.sync_stats = dict(
-            agreed=0,
-            solo=0,
-            diverged=0,
-            failed_rounds=0,
-            resyncs=0,
-            resync_failures=0,
-            advanced=0,
-            partial=0,
-            idle_rounds=0,
-            nonfinite_rounds=0,
-        )
+        self.sync_stats = dict.fromkeys(SYNC_STATS, 0)
         self._must_resync = False
         # while ``join_round_while_idle`` runs an epoch transition: the samples it joined with (its weight)
         self._idle_weight: int | None = None

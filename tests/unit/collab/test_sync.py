@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from echo_p2p.collab.sync import (
     EPOCH_MEMORY,
+    SYNC_STATS,
     SyncedOptimizer,
     choose_reference,
     fresh_token,
@@ -53,16 +54,7 @@ class _Fake(SyncedOptimizer):
         self.sync_token, self.in_sync, self._must_resync, self._round_tags = token, False, False, None
         self._idle_weight = None
         self.shared_epochs = deque(maxlen=EPOCH_MEMORY)
-        self.sync_stats = dict(
-            agreed=0,
-            solo=0,
-            diverged=0,
-            failed_rounds=0,
-            resyncs=0,
-            resync_failures=0,
-            partial=0,
-            nonfinite_rounds=0,
-        )
+        self.sync_stats = dict.fromkeys(SYNC_STATS, 0)
 
     def __del__(self) -> None:  # hivemind's would shut a swarm down
         pass
