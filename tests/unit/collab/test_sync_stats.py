@@ -19,7 +19,10 @@ def test_every_sync_counter_incremented_is_created_with_the_optimizer():
             isinstance(t, ast.Attribute) and t.attr == "sync_stats" for t in node.targets
         ):
             assert isinstance(node.value, ast.Call)
-            created |= {kw.arg for kw in node.value.keywords}
+            if ast.unparse(node.value) == "dict.fromkeys(SYNC_STATS, 0)":  # the counters' one list
+                created |= set(sync.SYNC_STATS)
+            else:
+                created |= {kw.arg for kw in node.value.keywords}
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
             if node.value.attr == "sync_stats":
                 if isinstance(node.slice, ast.Constant):
