@@ -350,6 +350,12 @@ class CollabStepResult:
         return "skipped" in self.extra
 
     @property
+    def discarded(self) -> bool:
+        """True when hivemind threw the batch away: it found this trainer out of sync at the step and loaded
+        (or tried to load) the others' state instead of accumulating it (``version`` says which it holds)."""
+        return "discarded" in self.extra
+
+    @property
     def caught_up(self) -> bool:
         """True when the version jumped by more than one: state was downloaded from other trainers."""
         return self.version > self.version_before + 1
@@ -456,13 +462,23 @@ class CollabTrainerStep:
         if stats.get("nonfinite"):
             # a batch whose loss or gradient is NaN/inf reports no progress and is never averaged
             return CollabStepResult(stats, before, before, 0, t1 - t0, 0.0, {"skipped": "nonfinite"})
+        loads = self._state_loads()
         self.optimizer.step(batch_size=batch_size)
         t2 = time.perf_counter()
+        # hivemind's step, finding this trainer out of sync, loads the others' state and returns without
+        # accumulating the batch (its gradients are of a state being replaced): the only load inside a step
+        extra = {"discarded": "out_of_sync"} if self._state_loads() != loads else {}
         return CollabStepResult(
             stats=stats,
             version_before=before,
             version=self.version,
-            batch_size=batch_size,
+            batch_size=0 if extra else batch_size,
             compute_s=t1 - t0,
             optimizer_s=t2 - t1,
+            extra=extra,
         )
+
+    def _state_loads(self) -> int:
+        """State downloads tried so far, loaded or not (0 for a plain torch optimizer)."""
+        stats = getattr(self.optimizer, "sync_stats", None)
+        return int(stats.get("resyncs", 0)) + int(stats.get("resync_failures", 0)) if stats is not None else 0

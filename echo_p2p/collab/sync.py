@@ -163,6 +163,23 @@ class _TaggedGradientAverager(GradientAverager):
             self._partial_groups.add(group_info.group_id)
 
 
+def optimizer_tensors_named(optimizer_metadata: Any) -> int | None:
+    """How many tensors a downloaded state's optimizer metadata (hivemind's ``dump_optimizer_state`` list)
+    names: its tensor entries must be indexed 0, 1, 2, ... in order, as ``dump_optimizer_state`` writes them.
+    None when it is not such a list (a stranger's or a broken donor's state: never loaded)."""
+    if not isinstance(optimizer_metadata, list):
+        return None
+    named = 0
+    for elem in optimizer_metadata:
+        if not isinstance(elem, dict):
+            return None
+        if elem.get("type") == "tensor":
+            if elem.get("index") != named or type(elem.get("index")) is not int:
+                return None
+            named += 1
+    return named
+
+
 class _TaggedStateAverager(TrainingStateAverager):
     """Serves the sync tag with the state; loads a state in one bounded attempt and says what it loaded."""
 
@@ -191,15 +208,28 @@ class _TaggedStateAverager(TrainingStateAverager):
             logger.warning("ignoring a downloaded state of epoch %d < ours", metadata["epoch"])
             return None
         count = len(main_parameters_and_extras)
-        if len(flat_tensors) < count:
+        named = optimizer_tensors_named(metadata.get("optimizer_metadata"))
+        if named is None or len(flat_tensors) != count + named:
+            # fewer tensors than the metadata names (a stream that ended early, or a broken or hostile
+            # donor): loading it failed deep in hivemind's ``load_optimizer_state`` with IndexError (seen once
+            # when a restarted trainer downloaded the other trainer's state, in tests/integration/test_churn.py)
             logger.warning(
-                "ignoring a downloaded state with %d tensors, expected >= %d", len(flat_tensors), count
+                "ignoring a downloaded state with %d tensors: its metadata names %s (%d parameters and extras, "
+                "then the optimizer's)",
+                len(flat_tensors),
+                "malformed optimizer statistics" if named is None else count + named,
+                count,
             )
+            return None
+        ours_and_theirs = zip(main_parameters_and_extras, flat_tensors[:count], strict=True)
+        if any(tuple(a.shape) != tuple(b.shape) for a, b in ours_and_theirs):
+            # checked before anything is loaded: a failed copy after the statistics left a half-loaded state
+            logger.warning("ignoring a downloaded state whose parameters have other shapes than ours")
             return None
         with torch.no_grad(), self.lock_averaged_tensors:
             try:
                 load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], flat_tensors[count:])
-            except (StopIteration, KeyError, ValueError, RuntimeError) as e:
+            except (StopIteration, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
                 logger.warning("ignoring a downloaded state with inconsistent optimizer statistics: %r", e)
                 return None
             for local, remote in zip(main_parameters_and_extras, flat_tensors[:count], strict=True):

@@ -62,6 +62,7 @@ class TrainerPeer(BasePeer):
         self.steps = 0
         self.rollouts_consumed = 0
         self.skipped_batches = 0  # batches dropped for a non-finite loss or gradient
+        self.out_of_sync_batches = 0  # batches hivemind discarded, loading the others' state instead
         self.recoveries = 0  # times the weights went non-finite and the last good state was reloaded
         self.idle_seconds = 0.0
         self.update_seconds = 0.0
@@ -316,6 +317,19 @@ class TrainerPeer(BasePeer):
                 self.skipped_batches,
             )
             return
+        if result.discarded:  # out of sync: hivemind loaded the others' state instead (not a training step)
+            self.intake.discarded(batch)
+            self.out_of_sync_batches += 1
+            logger.info(
+                "%s out of sync at version %d: a batch of %d groups discarded for the others' state (now %d)",
+                self.prefix(),
+                result.version_before,
+                len(batch),
+                result.version,
+            )
+            if result.advanced and self._reached(result.version):
+                self._maybe_checkpoint()
+            return
         self.intake.used(batch)
         self.steps += 1
         self.rollouts_consumed += len(batch)
@@ -525,6 +539,7 @@ class TrainerPeer(BasePeer):
             "update_s_total": round(self.update_seconds, 3),
             "publisher": self.is_publisher,
             "nonfinite_skipped": self.skipped_batches,
+            "out_of_sync_discarded": self.out_of_sync_batches,
             "recoveries": self.recoveries,
             "catch_ups": self.catch_up.downloads if self.catch_up is not None else 0,
             # versions reached in the other trainers' rounds while this one had no batch

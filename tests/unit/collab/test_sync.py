@@ -352,3 +352,95 @@ def test_a_round_whose_average_is_not_finite_is_never_applied() -> None:
     opt, loaded, abandoned = played([t.clone() for t in finite], idle_weight=0)
     assert not abandoned and opt.sync_stats["nonfinite_rounds"] == 0 and opt._round_tags == {"peer": (1, "t")}
     assert all(torch.equal(a, b) for a, b in zip(loaded[0], finite, strict=True))
+
+
+def test_a_step_in_which_hivemind_loads_the_others_state_discards_its_batch() -> None:
+    """hivemind's ``step`` finding the trainer out of sync loads the others' state and returns without
+    accumulating the batch: ``CollabStepResult.discarded`` says so (the trainer then writes no training step
+    for it; a restarted trainer's failed download once showed as a step at its checkpoint's version in
+    tests/integration/test_churn.py), whether the download loaded a state or not; a step that accumulated
+    or ended an epoch is no discard."""
+    from echo_p2p.collab.optimizer import CollabTrainerStep
+
+    class Optimizer:
+        def __init__(self, outcome: str) -> None:
+            self.outcome, self.local_epoch = outcome, 10
+            self.sync_stats = dict.fromkeys(SYNC_STATS, 0)
+
+        def step(self, batch_size: int) -> None:
+            if self.outcome == "loaded":
+                self.sync_stats["resyncs"] += 1
+                self.local_epoch = 46
+            elif self.outcome == "failed":
+                self.sync_stats["resync_failures"] += 1
+            elif self.outcome == "epoch":
+                self.local_epoch += 1
+
+    learner = SimpleNamespace(compute_gradients=lambda groups, **kwargs: {"loss": 0.1})
+    results = {}
+    for outcome in ("loaded", "failed", "epoch", "accumulated"):
+        stepper = CollabTrainerStep(learner=learner, optimizer=Optimizer(outcome))
+        stepper.optimizer.sync_stats["resyncs"] = 3  # downloads before the step (catch-ups) do not count
+        results[outcome] = stepper([object(), object()])
+    assert (
+        results["loaded"].discarded and results["loaded"].version == 46 and results["loaded"].batch_size == 0
+    )
+    assert results["failed"].discarded and not results["failed"].advanced and results["failed"].version == 10
+    assert not results["epoch"].discarded and results["epoch"].version == 11
+    assert not results["accumulated"].discarded and results["accumulated"].batch_size == 2
+
+
+def test_a_downloaded_state_is_loaded_only_with_the_tensors_its_metadata_names(monkeypatch) -> None:
+    """``_TaggedStateAverager.load_state_from_peers``: a state with fewer (or more) tensors than its metadata
+    names, malformed optimizer metadata, or parameters of other shapes is refused whole (None, nothing
+    loaded) instead of failing with IndexError inside hivemind's ``load_optimizer_state`` or half-loading; a
+    whole one loads parameters, statistics and epoch."""
+    import threading
+
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.optim.state_averager import dump_optimizer_state
+
+    from echo_p2p.collab.sync import _TaggedStateAverager, optimizer_tensors_named
+
+    def donor_state(shape=(3,)) -> tuple[dict, list]:
+        param = torch.nn.Parameter(torch.full(shape, 2.0))
+        opt = torch.optim.Adam([param], lr=0.1)
+        param.grad = torch.ones(shape)
+        opt.step()
+        meta, tensors = dump_optimizer_state(opt)
+        return {"epoch": 7, "optimizer_metadata": meta}, [param.detach().clone(), *tensors]
+
+    def ours() -> _TaggedStateAverager:
+        avg = object.__new__(_TaggedStateAverager)  # no averager process: only the loading logic
+        param = torch.nn.Parameter(torch.zeros(3))
+        avg._parent_pid = None  # hivemind's ``__del__`` stops the averager's process when it is its parent
+        avg.optimizer = torch.optim.Adam([param], lr=0.1)
+        param.grad = torch.zeros(3)
+        avg.optimizer.step()  # statistics exist (hivemind initialises them): a zero step leaves param at 0
+        avg.extra_tensors, avg.local_epoch, avg.lock_averaged_tensors = (), 5, threading.Lock()
+        avg.offload_optimizer, avg.reuse_tensors, avg._update_scheduler = False, True, lambda: None
+        return avg
+
+    def load(state: tuple[dict, list]) -> tuple[_TaggedStateAverager, dict | None]:
+        monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", lambda self, **kw: state)
+        avg = ours()
+        return avg, avg.load_state_from_peers(timeout=1)
+
+    meta, tensors = donor_state()
+    assert optimizer_tensors_named(meta["optimizer_metadata"]) == len(tensors) - 1
+    assert (
+        optimizer_tensors_named("x") is None
+        and optimizer_tensors_named([{"type": "tensor", "index": 3}]) is None
+    )
+    for bad in ((meta, tensors[:-1]), (meta, [*tensors, torch.zeros(1)]),
+                ({**meta, "optimizer_metadata": [{"type": "tensor", "index": 99}]}, tensors),
+                donor_state(shape=(4,))):  # fmt: skip
+        avg, loaded = load(bad)
+        assert loaded is None and avg.local_epoch == 5, bad[0]
+        state = next(iter(avg.optimizer.state.values()))
+        assert (avg.optimizer.param_groups[0]["params"][0] == 0).all() and (state["exp_avg"] == 0).all()
+    avg, loaded = load((meta, tensors))
+    assert loaded is not None and avg.local_epoch == 7
+    state = next(iter(avg.optimizer.state.values()))
+    assert (avg.optimizer.param_groups[0]["params"][0] == tensors[0]).all() and (state["exp_avg"] > 0).all()
