@@ -130,11 +130,13 @@ class CollabOptimizerConfig(BaseModel):
         "local gradients). About twice the real all-reduce time.",
     )
     next_chunk_timeout: float | None = Field(
-        default=None,
+        default=2.5,
         gt=0,
         description="Seconds a gradient all-reduce waits for a member's next part (hivemind's "
         "``next_chunk_timeout``; a member later than that is left out of the part and the round comes back "
-        "partial, twice that for a part's result). None: ``matchmaking_time``, hivemind's default.",
+        "partial, twice that for a part's result; also the wait for each message of a state download). "
+        "None: ``matchmaking_time``, hivemind's default: 1 s left one round in seven partial on two loaded "
+        "cores, each followed by a state download (docs/reliability.md).",
     )
     request_timeout: float = Field(
         default=0.5,
