@@ -755,18 +755,11 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
     for path in soak.metrics.glob("*.jsonl"):
         metric_flags += [x["time"] for x in read_lines(path) if x.get("stalled")]
     stalls = []
+    windows = [(f["index"], *f["_window"]) for f in faults]
     for a, b in gaps:
         if b - a < args.stall_min:
             continue
-        linked = [f for f in faults if f["_window"][0] < b and f["_window"][1] > a]
-        backs = [f["_window"][2] for f in linked]
-        recovered = max((x for x in backs if x is not None), default=None)
-        if linked and any(x is None for x in backs):
-            recovered = None  # a fault whose peer never came back: the excess is not defined
-        base = max(a, recovered) if recovered is not None else (a if not linked else None)
-        # a stall that several faults overlap: the time after the first of them began that none of them
-        # explains (outside every one's [start, back]) is excess too, not only what followed the last one
-        between = uncovered(a, b, [(f["_window"][0], f["_window"][2]) for f in linked]) if linked else 0.0
+        linked, excess = excess_of(a, b, windows)
         detectors = {
             "version_stalled alert": next((t for t in stall_flags if a <= t <= b + args.probe_period), None),
             "stalled row": next((t for t in stalled_rows if a <= t <= b + args.probe_period), None),
@@ -778,12 +771,16 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
                 "at_s": round(a - start, 1),
                 "length_s": round(b - a, 1),
                 "open_at_end": b >= end,
-                "faults": [f["index"] for f in linked],
-                "excess_s": None if base is None else round(max(b - base, between), 1),
+                "faults": linked,
+                "excess_s": None if excess is None else round(excess, 1),
                 "detect_s": None if first is None else round(first[0] - a, 1),
                 "detected_by": None if first is None else first[1],
             }
         )
+    # the goal judges every gap longer than 2 publish intervals, not only the stalls (--stall-min) above: a
+    # machine publishing every 2.15 s has a goal of 4.3 s, and gaps of 4.3-10 s went unjudged (hour of a5885cf)
+    limit = 2 * publish_interval if publish_interval is not None else None
+    over_limit = judge_gaps(gaps, windows, limit, start)
     for f in faults:
         del f["_window"]
 
@@ -842,15 +839,18 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
         probe_gaps.append(end - seen[0])
     resources = summarise_resources(soak, start)
     duration = end - start
-    worst_excess = max((s["excess_s"] for s in stalls if s["excess_s"] is not None), default=None)
-    limit = 2 * publish_interval if publish_interval is not None else None
-    undefined = [s for s in stalls if s["excess_s"] is None]
+    worst_excess = max((g["excess_s"] for g in over_limit if g["excess_s"] is not None), default=None)
+    undefined = [g for g in over_limit if g["excess_s"] is None]
+    beyond = [g for g in over_limit if g["excess_s"] is not None and g["excess_s"] > limit]
     growths = [r["growth_pct_per_h"] for r in resources["incarnations"] if r["growth_pct_per_h"] is not None]
     long_stalls = [s for s in stalls if s["length_s"] > DETECT_GOAL_S]
     goals = {
         "stall_beyond_recovery": {
             "limit_s": None if limit is None else round(limit, 2),
             "worst_excess_s": worst_excess,
+            "gaps_over_limit": len(over_limit),
+            "gaps_beyond_recovery_over_limit": len(beyond),
+            "fault_free_over_limit": sum(1 for g in beyond if not g["faults"]),
             "stalls_without_recovery": len(undefined),
             "ok": (limit is not None and not undefined and (worst_excess is None or worst_excess <= limit)),
         },
@@ -884,6 +884,7 @@ def analyse(soak: Soak, interrupted: bool) -> dict[str, Any]:
         "probe_longest_stall_s": round(max(probe_gaps), 1) if probe_gaps else None,
         "faults": faults,
         "stalls": stalls,
+        "gaps_over_limit": over_limit,
         "acks": acks,
         "bans": list(bans.values()),
         "honest_peers_banned": honest_banned,
@@ -1019,6 +1020,47 @@ def uncovered(a: float, b: float, windows: list[tuple[float, float | None]]) -> 
     return gaps + max(0.0, b - cur)
 
 
+def judge_gaps(
+    gaps: list[tuple[float, float]],
+    windows: list[tuple[int, float, float, float | None]],
+    limit: float | None,
+    start: float,
+) -> list[dict[str, Any]]:
+    """Every version gap longer than ``limit`` (2 publish intervals: the stall goal), whatever ``--stall-min``
+    says, with the faults it overlaps and its excess beyond their recovery (``excess_of``); times from
+    ``start``. Judging only the stalls (gaps of 10 s or more) left gaps of 4.3-10 s unjudged on a machine
+    publishing every 2.15 s (the hour of a5885cf said PASS; 4 fault-free gaps were over, up to 7.4 s)."""
+    out = []
+    for a, b in gaps:
+        if limit is not None and b - a > limit:
+            linked, excess = excess_of(a, b, windows)
+            out.append(
+                {
+                    "at_s": round(a - start, 1),
+                    "length_s": round(b - a, 2),
+                    "faults": linked,
+                    "excess_s": None if excess is None else round(excess, 2),
+                }
+            )
+    return out
+
+
+def excess_of(a: float, b: float, windows: list[tuple[int, float, float, float | None]]):
+    """The faults a version gap [a, b] overlaps (``windows``: index, start, end of its window, time its peer
+    was back or None) and the gap's excess beyond their recovery (None: one never came back). The excess is
+    what follows the last recovery, or the time after the first fault began that none of them explains
+    (outside every one's [start, back]) when that is longer; a gap no fault overlaps is excess whole."""
+    linked = [w for w in windows if w[1] < b and w[2] > a]
+    if not linked:
+        return [], b - a
+    backs = [w[3] for w in linked]
+    if any(x is None for x in backs):
+        return [w[0] for w in linked], None
+    base = max(a, max(backs))
+    between = uncovered(a, b, [(w[1], w[3]) for w in linked])
+    return [w[0] for w in linked], max(b - base, between)
+
+
 def growth_pct_per_h(points: list[tuple[float, float]]) -> float:
     """RSS growth in % per hour: the Theil-Sen slope (the median of the slopes between every pair of samples,
     over at most ``THEIL_SEN_POINTS`` evenly spaced ones) over the median. Chosen before the hour that judges
@@ -1092,6 +1134,15 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"faults {s['faults'] or '-'}  excess {fmt(s['excess_s'])} s  detected "
             f"{detected}"
         )
+    over = r.get("gaps_over_limit", [])
+    beyond = [g for g in over if g["excess_s"] is None or g["excess_s"] > 2 * (r["publish_interval_s"] or 0)]
+    print(
+        f"\nversion gaps over 2 publish intervals: {len(over)}; beyond their fault's recovery by more: {len(beyond)}"
+    )
+    for g in sorted(beyond, key=lambda g: -(g["excess_s"] or float("inf")))[:10]:
+        print(
+            f"  at {g['at_s']:>7.1f} s  {g['length_s']:>6.2f} s  faults {g['faults'] or '-'}  excess {fmt(g['excess_s'])} s"
+        )
     a = r["acks"]
     print(
         f"\nacknowledged groups: {a['trainer_kills']} trainer kill(s); journal unsettled at the kills "
@@ -1136,7 +1187,8 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
     sb = g["stall_beyond_recovery"]
     print(
         f"  {'PASS' if sb['ok'] else 'FAIL'}  no stall longer than 2 publish intervals ({fmt(sb['limit_s'])} s) "
-        f"beyond its fault's recovery: worst {fmt(sb['worst_excess_s'])} s"
+        f"beyond its fault's recovery: worst {fmt(sb['worst_excess_s'])} s ({sb['gaps_beyond_recovery_over_limit']} "
+        f"gap(s) over, {sb['fault_free_over_limit']} without a fault)"
         + (
             f", {sb['stalls_without_recovery']} stall(s) with a fault never recovered"
             if sb["stalls_without_recovery"]
