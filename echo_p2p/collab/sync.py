@@ -210,9 +210,11 @@ class _TaggedStateAverager(TrainingStateAverager):
         count = len(main_parameters_and_extras)
         named = optimizer_tensors_named(metadata.get("optimizer_metadata"))
         if named is None or len(flat_tensors) != count + named:
-            # fewer tensors than the metadata names (a stream that ended early, or a broken or hostile
-            # donor): loading it failed deep in hivemind's ``load_optimizer_state`` with IndexError (seen once
-            # when a restarted trainer downloaded the other trainer's state, in tests/integration/test_churn.py)
+            # fewer tensors than the metadata names: a download stream cut short (hivemind 1.1.12's stream
+            # reader takes a connection closed mid-stream, ``IncompleteReadError``, for the stream's end, so a
+            # reset download arrives truncated with no error), or a broken or hostile donor. Loaded, it failed
+            # deep in hivemind's ``load_optimizer_state`` with IndexError (a restarted trainer's download in
+            # tests/integration/test_churn.py)
             logger.warning(
                 "ignoring a downloaded state with %d tensors: its metadata names %s (%d parameters and extras, "
                 "then the optimizer's)",
