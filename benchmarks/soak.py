@@ -1134,8 +1134,8 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"faults {s['faults'] or '-'}  excess {fmt(s['excess_s'])} s  detected "
             f"{detected}"
         )
-    over = r.get("gaps_over_limit", [])
-    beyond = [g for g in over if g["excess_s"] is None or g["excess_s"] > 2 * (r["publish_interval_s"] or 0)]
+    over, limit = r["gaps_over_limit"], r["goals"]["stall_beyond_recovery"]["limit_s"]
+    beyond = [g for g in over if g["excess_s"] is None or g["excess_s"] > limit]
     print(
         f"\nversion gaps over 2 publish intervals: {len(over)}; beyond their fault's recovery by more: {len(beyond)}"
     )

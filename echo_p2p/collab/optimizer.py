@@ -408,8 +408,7 @@ class CollabTrainerStep:
     def state_downloads(self) -> int:
         """States downloaded from other trainers so far (``SyncedOptimizer``'s resyncs and catch-ups; 0 for a
         plain torch optimizer): each replaced this trainer's weights with another lineage's."""
-        stats = getattr(self.optimizer, "sync_stats", None)
-        return int(stats.get("resyncs", 0)) if stats is not None else 0
+        return self._sync_count("resyncs")
 
     @property
     def download_pending(self) -> bool:
@@ -464,12 +463,13 @@ class CollabTrainerStep:
         if stats.get("nonfinite"):
             # a batch whose loss or gradient is NaN/inf reports no progress and is never averaged
             return CollabStepResult(stats, before, before, 0, t1 - t0, 0.0, {"skipped": "nonfinite"})
-        loads = self._state_loads()
+        loads = self._sync_count("resyncs", "resync_failures")  # state downloads tried, loaded or not
         self.optimizer.step(batch_size=batch_size)
         t2 = time.perf_counter()
         # hivemind's step, finding this trainer out of sync, loads the others' state and returns without
         # accumulating the batch (its gradients are of a state being replaced): the only load inside a step
-        extra = {"discarded": "out_of_sync"} if self._state_loads() != loads else {}
+        discarded = self._sync_count("resyncs", "resync_failures") != loads
+        extra = {"discarded": "out_of_sync"} if discarded else {}
         return CollabStepResult(
             stats=stats,
             version_before=before,
@@ -480,7 +480,7 @@ class CollabTrainerStep:
             extra=extra,
         )
 
-    def _state_loads(self) -> int:
-        """State downloads tried so far, loaded or not (0 for a plain torch optimizer)."""
+    def _sync_count(self, *counters: str) -> int:
+        """The sum of ``SyncedOptimizer.sync_stats`` counters (0 for a plain torch optimizer)."""
         stats = getattr(self.optimizer, "sync_stats", None)
-        return int(stats.get("resyncs", 0)) + int(stats.get("resync_failures", 0)) if stats is not None else 0
+        return sum(int(stats.get(name, 0)) for name in counters) if stats is not None else 0
