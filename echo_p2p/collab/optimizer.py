@@ -108,8 +108,8 @@ class CollabOptimizerConfig(BaseModel):
         default=16,
         ge=1,
         description="Rollout groups (the unit of ``CollabTrainerStep``) that the trainers together "
-        "accumulate per epoch, i.e. per policy version. One epoch costs about ``matchmaking_time`` of "
-        "averaging when several trainers are present: make it large enough that compute dominates.",
+        "accumulate per epoch, i.e. per policy version. One epoch costs a gradient round when several "
+        "trainers are present (matchmaking and an all-reduce): make it large enough that compute dominates.",
     )
     batch_size_per_step: int | None = Field(
         default=None,
@@ -120,8 +120,9 @@ class CollabOptimizerConfig(BaseModel):
     matchmaking_time: float = Field(
         default=1.0,
         gt=0,
-        description="Seconds an all-reduce waits for peers to join its group. 1.0 s works on loopback and "
-        "LANs; 3-5 s over the internet.",
+        description="Longest wait of a gradient round for trainers to join its group: a group of every "
+        "trainer the progress records show begins as soon as they all joined, a smaller one at the end of "
+        "this time (``collab.averagers.group_size``). 1.0 s works on loopback and LANs; 3-5 s over the internet.",
     )
     averaging_timeout: float = Field(
         default=10.0,

@@ -64,16 +64,13 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
+from hivemind.optim.state_averager import TrainingStateAverager
 
+from echo_p2p.collab.averagers import TAG_KEY, SyncTag, TaggedGradientAverager, TaggedStateAverager
 from echo_p2p.collab.progress import PacedProgressTracker
 
 logger = logging.getLogger(__name__)
 
-SyncTag = tuple[int, str]  # (epoch, token)
-TAG_KEY = "echo_sync"  # key of the tag in a downloaded state's metadata
 NEVER = 2**62  # hivemind's ``average_state_every`` for "no state averaging" (epoch % NEVER is never 0)
 LEAVE_POLL_S = 0.2  # how often a wait for a gradient round looks whether the trainer is leaving
 EPOCH_MEMORY = (
@@ -122,129 +119,6 @@ def fresh_token() -> str:
     return secrets.token_hex(16)
 
 
-class _TaggedGradientAverager(GradientAverager):
-    """Sends the optimizer's sync tag with every gradient round (hivemind's all-gather), and reports a round
-    whose averages arrived only in part as *not agreed* for this member.
-
-    hivemind finishes an all-reduce in which some part's average never reached a member by keeping that
-    member's own values for the part (``TensorPartContainer.register_failed_reducer``, logged as "Averaging:
-    received 48.7% results") and reports success: that member then applies other gradients than the rest
-    of its group under the same epoch. Seen as a 4e-3 parameter difference between two trainers whose every
-    round had "agreed". Such a member's own entry in the round's gathered tags is replaced by a marker no
-    tag parses to, so ``SyncedOptimizer._after_epoch`` gives it a lineage of its own.
-    (This runs in the averager's child process; the gathered dict is what reaches the trainer's process.)"""
-
-    tag_fn: Any = None
-    PARTIAL = {"partial": True}
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._partial_groups: set = set()  # ids of rounds whose averages arrived in part (averager process)
-        super().__init__(*args, **kwargs)
-
-    def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any):
-        if self.tag_fn is not None and "gather" not in kwargs:
-            kwargs["gather"] = self.tag_fn()
-        return super().schedule_step(scheduled_time, **kwargs)
-
-    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any):
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        if group_info.group_id in self._partial_groups:
-            self._partial_groups.discard(group_info.group_id)
-            gathered = {**gathered, self.peer_id: self.PARTIAL}
-        return gathered
-
-    async def _run_allreduce_inplace_(
-        self, tensors: Any, group_info: Any, group_id: Any = None, **kwargs: Any
-    ):
-        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-        group_id = group_info.group_id if group_id is None else group_id
-        runner = self._running_groups[group_id].result()
-        if runner.tensor_part_container.failed_size:
-            self._partial_groups.add(group_info.group_id)
-
-
-def optimizer_tensors_named(optimizer_metadata: Any) -> int | None:
-    """How many tensors a downloaded state's optimizer metadata (hivemind's ``dump_optimizer_state`` list)
-    names: its tensor entries must be indexed 0, 1, 2, ... in order, as ``dump_optimizer_state`` writes them.
-    None when it is not such a list (a stranger's or a broken donor's state: never loaded)."""
-    if not isinstance(optimizer_metadata, list):
-        return None
-    named = 0
-    for elem in optimizer_metadata:
-        if not isinstance(elem, dict):
-            return None
-        if elem.get("type") == "tensor":
-            if elem.get("index") != named or type(elem.get("index")) is not int:
-                return None
-            named += 1
-    return named
-
-
-class _TaggedStateAverager(TrainingStateAverager):
-    """Serves the sync tag with the state; loads a state in one bounded attempt and says what it loaded."""
-
-    sync_tag: SyncTag | None = None  # set by the optimizer; read by the state-serving thread
-
-    def get_current_state(self):
-        tag = self.sync_tag  # read first: a tag older than the tensors is caught by the epoch check on load
-        metadata, tensors, infos = super().get_current_state()
-        if tag is not None:
-            metadata[TAG_KEY] = {"epoch": tag[0], "token": tag[1]}
-        return metadata, tensors, infos
-
-    def load_state_from_peers(self, **kwargs: Any) -> dict | None:
-        """``TrainingStateAverager.load_state_from_peers`` (hivemind 1.1.12) returning the metadata of the
-        state it applied, or None when it applied none."""
-        opt_parameters = tuple(p for group in self.optimizer.param_groups for p in group["params"])
-        main_parameters_and_extras = (*opt_parameters, *self.extra_tensors)
-        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
-        if loaded is None:
-            return None
-        metadata, flat_tensors = loaded
-        if not isinstance(metadata, dict) or type(metadata.get("epoch")) is not int:
-            logger.warning("ignoring a downloaded state without an epoch")
-            return None
-        if metadata["epoch"] < self.local_epoch:
-            logger.warning("ignoring a downloaded state of epoch %d < ours", metadata["epoch"])
-            return None
-        count = len(main_parameters_and_extras)
-        named = optimizer_tensors_named(metadata.get("optimizer_metadata"))
-        if named is None or len(flat_tensors) != count + named:
-            # fewer tensors than the metadata names: a download stream cut short (hivemind 1.1.12's stream
-            # reader takes a connection closed mid-stream, ``IncompleteReadError``, for the stream's end, so a
-            # reset download arrives truncated with no error), or a broken or hostile donor. Loaded, it failed
-            # deep in hivemind's ``load_optimizer_state`` with IndexError (a restarted trainer's download in
-            # tests/integration/test_churn.py)
-            logger.warning(
-                "ignoring a downloaded state with %d tensors: its metadata names %s (%d parameters and extras, "
-                "then the optimizer's)",
-                len(flat_tensors),
-                "malformed optimizer statistics" if named is None else count + named,
-                count,
-            )
-            return None
-        ours_and_theirs = zip(main_parameters_and_extras, flat_tensors[:count], strict=True)
-        if any(tuple(a.shape) != tuple(b.shape) for a, b in ours_and_theirs):
-            # checked before anything is loaded: a failed copy after the statistics left a half-loaded state
-            logger.warning("ignoring a downloaded state whose parameters have other shapes than ours")
-            return None
-        with torch.no_grad(), self.lock_averaged_tensors:
-            try:
-                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], flat_tensors[count:])
-            except (StopIteration, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-                logger.warning("ignoring a downloaded state with inconsistent optimizer statistics: %r", e)
-                return None
-            for local, remote in zip(main_parameters_and_extras, flat_tensors[:count], strict=True):
-                local.copy_(remote, non_blocking=True)
-        if self.offload_optimizer:
-            self._apply_optimizer_parameters_()
-        if not self.reuse_tensors:
-            self._load_local_tensors_into_averager_()
-        self.local_epoch = metadata["epoch"]
-        self._update_scheduler()
-        return metadata
-
-
 class SyncedOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` whose trainers re-synchronise their whole state after any irregular epoch
     (see the module docstring). Same arguments as ``hivemind.Optimizer``, except that ``client_mode`` is
@@ -277,10 +151,11 @@ class SyncedOptimizer(hivemind.Optimizer):
         # while ``join_round_while_idle`` runs an epoch transition: the samples it joined with (its weight)
         self._idle_weight: int | None = None
         self._round_tags: dict[str, SyncTag | None] | None = None
-        factory = functools.partial(_TaggedGradientAverager, **(grad_averager_opts or {}))
+        factory = functools.partial(TaggedGradientAverager, **(grad_averager_opts or {}))
         super().__init__(dht=dht, client_mode=None, grad_averager_factory=factory, **kwargs)
         assert self.grad_averager is not None, "SyncedOptimizer needs gradient averaging"
         self.grad_averager.tag_fn = self._tag_payload
+        self.grad_averager.group_size_fn = lambda: self.tracker.global_progress.num_peers
         self._publish_tag()
 
     # ---- construction: honour client_mode (hivemind 1.1.12 overwrites an explicit value) ----
@@ -298,7 +173,7 @@ class SyncedOptimizer(hivemind.Optimizer):
         )
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
-        return _TaggedStateAverager(
+        return TaggedStateAverager(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -420,7 +295,7 @@ class SyncedOptimizer(hivemind.Optimizer):
             else:
                 self.sync_stats["solo"] += 1
             self.in_sync = not others
-        elif tags[me] is None:  # our averages arrived only in part (``_TaggedGradientAverager.PARTIAL``)
+        elif tags[me] is None:  # our averages arrived only in part (``TaggedGradientAverager.PARTIAL``)
             # a lineage of our own, and no download now: every member of a round that came back partial for
             # all of them would download at once from the others, each refusing the others' state as older
             # than its own, and the next round would wait for members busy downloading. The next shared

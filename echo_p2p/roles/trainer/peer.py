@@ -356,6 +356,9 @@ class TrainerPeer(BasePeer):
             "policy_drift": None if drift is None else round(drift, 4),
             **step_figures(stats, staleness, step_s),
             "step_update_s": round(step_s, 4),
+            # of which: forward/backward, and hivemind's step (at an epoch's end: waiting for the round)
+            "step_compute_s": round(result.compute_s, 4),
+            "step_optimizer_s": round(result.optimizer_s, 4),
         }
         if result.advanced:
             if not self._reached(result.version):

@@ -146,9 +146,10 @@ def test_members_whose_averages_arrived_in_part_keep_their_states_until_the_next
     next shared round's reference rule picks one lineage and only the members off it download. When the round
     came back partial for both trainers (the soak's stall: both downloaded at once, each refused the other's
     state as older than its own), exactly one of them downloads after the next round."""
-    from echo_p2p.collab.sync import _TaggedGradientAverager, parse_tag
+    from echo_p2p.collab.averagers import TaggedGradientAverager
+    from echo_p2p.collab.sync import parse_tag
 
-    partial = parse_tag(_TaggedGradientAverager.PARTIAL)
+    partial = parse_tag(TaggedGradientAverager.PARTIAL)
     for partial_members in (["B"], ["A", "B"]):
         a, b = _Fake("A", 4, "t", 2), _Fake("B", 4, "t", 2)
         for opt in (a, b):
@@ -177,9 +178,10 @@ def test_an_idle_member_whose_averages_arrived_in_part_downloads_the_others_stat
     """An idle trainer joins the others' round with weight 0: their values are the round's whole result and
     its own lack parts of it, so it downloads (the trainer's idle catch-up) instead of keeping a lineage the
     next round could pick; one that joined with samples keeps a lineage of its own like a stepping member."""
-    from echo_p2p.collab.sync import _TaggedGradientAverager, parse_tag
+    from echo_p2p.collab.averagers import TaggedGradientAverager
+    from echo_p2p.collab.sync import parse_tag
 
-    partial = parse_tag(_TaggedGradientAverager.PARTIAL)
+    partial = parse_tag(TaggedGradientAverager.PARTIAL)
     for weight, downloads in ((0, True), (3, False)):
         idle = _Fake("B", 4, "t", 2)
         idle._idle_weight = weight
@@ -391,7 +393,7 @@ def test_a_step_in_which_hivemind_loads_the_others_state_discards_its_batch() ->
 
 
 def test_a_downloaded_state_is_loaded_only_with_the_tensors_its_metadata_names(monkeypatch) -> None:
-    """``_TaggedStateAverager.load_state_from_peers``: a state with fewer (or more) tensors than its metadata
+    """``TaggedStateAverager.load_state_from_peers``: a state with fewer (or more) tensors than its metadata
     names, malformed optimizer metadata, or parameters of other shapes is refused whole (None, nothing
     loaded) instead of failing with IndexError inside hivemind's ``load_optimizer_state`` or half-loading; a
     whole one loads parameters, statistics and epoch."""
@@ -401,7 +403,7 @@ def test_a_downloaded_state_is_loaded_only_with_the_tensors_its_metadata_names(m
     from hivemind.averaging import DecentralizedAverager
     from hivemind.optim.state_averager import dump_optimizer_state
 
-    from echo_p2p.collab.sync import _TaggedStateAverager, optimizer_tensors_named
+    from echo_p2p.collab.averagers import TaggedStateAverager, optimizer_tensors_named
 
     def donor_state(shape=(3,)) -> tuple[dict, list]:
         param = torch.nn.Parameter(torch.full(shape, 2.0))
@@ -411,8 +413,8 @@ def test_a_downloaded_state_is_loaded_only_with_the_tensors_its_metadata_names(m
         meta, tensors = dump_optimizer_state(opt)
         return {"epoch": 7, "optimizer_metadata": meta}, [param.detach().clone(), *tensors]
 
-    def ours() -> _TaggedStateAverager:
-        avg = object.__new__(_TaggedStateAverager)  # no averager process: only the loading logic
+    def ours() -> TaggedStateAverager:
+        avg = object.__new__(TaggedStateAverager)  # no averager process: only the loading logic
         param = torch.nn.Parameter(torch.zeros(3))
         avg._parent_pid = None  # hivemind's ``__del__`` stops the averager's process when it is its parent
         avg.optimizer = torch.optim.Adam([param], lr=0.1)
@@ -422,7 +424,7 @@ def test_a_downloaded_state_is_loaded_only_with_the_tensors_its_metadata_names(m
         avg.offload_optimizer, avg.reuse_tensors, avg._update_scheduler = False, True, lambda: None
         return avg
 
-    def load(state: tuple[dict, list]) -> tuple[_TaggedStateAverager, dict | None]:
+    def load(state: tuple[dict, list]) -> tuple[TaggedStateAverager, dict | None]:
         monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", lambda self, **kw: state)
         avg = ours()
         return avg, avg.load_state_from_peers(timeout=1)
