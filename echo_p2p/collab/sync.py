@@ -1,8 +1,8 @@
 """Keeps the trainers' states identical: ``hivemind.Optimizer`` plus a lineage check on every gradient round.
 
 Owned here: ``SyncedOptimizer`` (the ``hivemind.Optimizer`` that ``make_collab_optimizer`` builds) and the
-pure rules it applies (``choose_reference``, ``next_token``, ``parse_tag``). Called by
-``echo_p2p.collab.optimizer`` only. Must not compute losses nor talk to anything but hivemind.
+pure rules it applies (``choose_reference``, ``next_token``, ``parse_tag``); the hivemind averagers it builds
+are ``echo_p2p.collab.averagers``. Called by ``echo_p2p.collab.optimizer`` only. Must not compute losses nor talk to anything but hivemind.
 
 Why
 ---
