@@ -17,6 +17,12 @@ import time
 from collections.abc import Callable, Hashable
 
 FORMAT = "%(asctime)s [%(levelname)s] %(name)s: %(message)s"
+#: Environment variable of per-logger levels applied over a process's own, e.g.
+#: ``ECHO_LOG_LEVELS=hivemind.averaging=DEBUG,echo_p2p.transport=DEBUG``: what one component does, in detail,
+#: without the rest of a peer's DEBUG output (hivemind's matchmaking logs only at DEBUG). Read by
+#: ``setup_logging``; the processes a peer forks (hivemind's averagers) inherit the levels.
+LEVELS_ENV = "ECHO_LOG_LEVELS"
+LEVEL_NAMES = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Seconds between two lines about policy versions published or applied (a tiny-model trainer makes ~4 a second).
 VERSION_LINE_PERIOD = 5.0
 
@@ -38,6 +44,31 @@ def setup_logging(level: str = "INFO") -> None:
     # (it falls back to its own kernel): shown at DEBUG only
     if level != "DEBUG":
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    levels, refused = parse_log_levels(os.environ.get(LEVELS_ENV, ""))
+    for name, value in levels.items():
+        logging.getLogger(name).setLevel(value)
+    for entry in refused:
+        logging.getLogger("echo_p2p.logs").warning(
+            "%s: ignoring %r (want LOGGER=LEVEL, LEVEL one of %s)", LEVELS_ENV, entry, ", ".join(LEVEL_NAMES)
+        )
+
+
+def parse_log_levels(spec: str) -> tuple[dict[str, str], list[str]]:
+    """``"a.b=DEBUG, c=info"`` -> ``({"a.b": "DEBUG", "c": "INFO"}, [])``, and the entries that are not
+    ``LOGGER=LEVEL`` with a known level, refused (second item). Empty entries are skipped."""
+    levels: dict[str, str] = {}
+    refused: list[str] = []
+    for entry in spec.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, sep, value = entry.partition("=")
+        name, value = name.strip(), value.strip().upper()
+        if not sep or not name or value not in LEVEL_NAMES:
+            refused.append(entry)
+        else:
+            levels[name] = value
+    return levels, refused
 
 
 def status_prefix(peer_id: str, role: str, version: int | None) -> str:

@@ -51,3 +51,42 @@ def test_a_disabled_level_neither_logs_nor_counts(caplog):
     caplog.set_level(logging.INFO, logger="tests.ratelimit")
     assert not log.log(logging.DEBUG, "k", "hidden")
     assert log.info("k", "shown") and [r.getMessage() for r in caplog.records] == ["shown"]
+
+
+def test_per_logger_levels_from_the_environment_apply_over_the_process_level(monkeypatch):
+    """``ECHO_LOG_LEVELS`` opens one component to DEBUG (hivemind's matchmaking logs only there) while the
+    rest of hivemind stays at WARNING; an entry that is not LOGGER=LEVEL is refused with a line, not applied."""
+    from echo_p2p.logs import LEVELS_ENV, parse_log_levels, setup_logging
+
+    assert parse_log_levels(" a.b=debug,, c = WARNING ,d=LOUD,e,=INFO") == (
+        {"a.b": "DEBUG", "c": "WARNING"},
+        ["d=LOUD", "e", "=INFO"],
+    )
+    names = ("hivemind", "hivemind.averaging", "tests.levels")
+    saved = {name: logging.getLogger(name).level for name in names}
+    root = logging.getLogger("echo_p2p")  # setup_logging gives it a handler of its own, not propagated
+    saved_root = (root.level, root.propagate, list(root.handlers))
+    monkeypatch.setenv(LEVELS_ENV, "hivemind.averaging=DEBUG,tests.levels=ERROR,tests.levels.x=LOUD")
+    monkeypatch.setenv("HIVEMIND_LOGLEVEL", "WARNING")
+    warned: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("echo_p2p.logs").addHandler(catch)
+    try:
+        setup_logging("INFO")
+        matchmaking = logging.getLogger("hivemind.averaging.matchmaking")
+        assert matchmaking.getEffectiveLevel() == logging.DEBUG
+        assert logging.getLogger("hivemind.dht").getEffectiveLevel() == logging.WARNING
+        assert logging.getLogger("tests.levels").level == logging.ERROR
+        assert logging.getLogger("tests.levels.x").level == logging.NOTSET  # refused: not applied
+        assert warned == [
+            f"{LEVELS_ENV}: ignoring 'tests.levels.x=LOUD' (want LOGGER=LEVEL, LEVEL one of DEBUG, INFO, "
+            "WARNING, ERROR, CRITICAL)"
+        ]
+    finally:
+        logging.getLogger("echo_p2p.logs").removeHandler(catch)
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+        root.setLevel(saved_root[0])
+        root.propagate = saved_root[1]
+        root.handlers[:] = saved_root[2]
