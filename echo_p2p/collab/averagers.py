@@ -11,13 +11,21 @@ Parts of both run in hivemind's averager child processes: what they hand back is
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
+import typing
 from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, anext, as_aiter
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +49,12 @@ class TaggedGradientAverager(GradientAverager):
     #: how many trainers the next round is for (the optimizer's count of live progress records); None: unknown
     group_size_fn: Any = None
     PARTIAL = {"partial": True}
+    #: rounds of this averager remembered as finished (their late parts are answered at once, not waited on)
+    FINISHED_KEPT = 16
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._partial_groups: set = set()  # ids of rounds whose averages arrived in part (averager process)
+        self._finished_groups: collections.deque = collections.deque(maxlen=self.FINISHED_KEPT)
         super().__init__(*args, **kwargs)
 
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any):
@@ -61,7 +72,10 @@ class TaggedGradientAverager(GradientAverager):
         self._matchmaking.target_group_size = size
 
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any):
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            self._finished_groups.append(group_info.group_id)
         if group_info.group_id in self._partial_groups:
             self._partial_groups.discard(group_info.group_id)
             gathered = {**gathered, self.peer_id: self.PARTIAL}
@@ -75,6 +89,75 @@ class TaggedGradientAverager(GradientAverager):
         runner = self._running_groups[group_id].result()
         if runner.tensor_part_container.failed_size:
             self._partial_groups.add(group_info.group_id)
+
+    async def rpc_aggregate_part(
+        self,
+        stream: typing.AsyncIterator[averaging_pb2.AveragingData],  # noqa: UP006 (hivemind reads typing's form)
+        context: P2PContext,
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:  # noqa: UP006
+        """hivemind's, except for the part of a round this averager was counted in but never learned of: the
+        leader accepted its join request and began the round, but the stream that carried the answer ended
+        first (hivemind's stream reader takes a connection closed mid-stream for the stream's end, so the
+        requester sees a refusal: "failed to request potential leader"). hivemind then waits on such a part
+        until a round of its own is registered, and keeps looking for a group until its step's deadline
+        (``averaging_timeout``), while the round that counted it waits for its parts (``next_chunk_timeout``
+        as a sender, twice that as a reducer) and comes back partial: in a soak, 9 s of one trainer searching
+        and 6 s of the other's round, two publish gaps of 8.7 and 8.3 s in a row (docs/reliability.md).
+
+        Now such a part is answered at once (hivemind's ``BAD_GROUP_ID``: the round stops waiting on this
+        averager as a reducer) and this averager's own search is ended, so its step fails at once (the
+        trainer applies its own gradients and, its state now off the others', downloads theirs at its next
+        step). Counted in an unknown round means: looking for a group, no leader accepted it, it assembled
+        no group, the round is not one of its recent ones, and none registered within ``request_timeout``
+        (a leader's answer that is merely late)."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups and request.group_id not in self._finished_groups:
+            if self._counted_in_unknown_round():
+                try:
+                    await asyncio.wait_for(
+                        self._pending_groups_registered.wait(), self._matchmaking.request_timeout
+                    )
+                except asyncio.TimeoutError:
+                    pass
+            if request.group_id not in self._running_groups and self._counted_in_unknown_round():
+                logger.warning(
+                    "gradient round: %s counted this trainer in a round it never learned of (its answer to "
+                    "our join request was lost): ending our search for a group now",
+                    context.remote_id,
+                )
+                self._end_search(
+                    MatchmakingException(f"{context.remote_id} counted us in a round we never learned of")
+                )
+                yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+                return
+        elif request.group_id in self._finished_groups:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # a late part of a past round
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    def _end_search(self, reason: Exception) -> None:
+        """(averager process) Fail the step that is looking for a group, and end its search: the step first,
+        so that hivemind's ``_step`` sees it done and does not look again. (``StepControl.cancel`` from the
+        averager's side never reaches the trainer's process in hivemind 1.1.12: there it cancels the trigger
+        and cancel futures the averager already finished, fails, and the step stays pending.)"""
+        step = self._matchmaking.step_control
+        if step is not None and not step.done():
+            step.set_exception(reason)
+        if not self._matchmaking.assembled_group.done():
+            self._matchmaking.assembled_group.set_exception(reason)
+
+    def _counted_in_unknown_round(self) -> bool:
+        """(averager process) Looking for a group, with no leader that accepted us and no group we assembled:
+        no round we take part in can be under way."""
+        matchmaking = self._matchmaking
+        step = matchmaking.step_control
+        return (
+            step is not None
+            and step.stage == AveragingStage.LOOKING_FOR_GROUP
+            and matchmaking.current_leader is None
+            and not matchmaking.assembled_group.done()
+        )
 
 
 def group_size(trainers: int) -> int | None:
