@@ -55,6 +55,9 @@ class TaggedGradientAverager(GradientAverager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._partial_groups: set = set()  # ids of rounds whose averages arrived in part (averager process)
         self._finished_groups: collections.deque = collections.deque(maxlen=self.FINISHED_KEPT)
+        # rounds that counted us but we never learned of (answered, their members told: ``rpc_aggregate_part``)
+        self._declined_groups: collections.deque = collections.deque(maxlen=self.FINISHED_KEPT)
+        self._declining: set = set()  # their ``_decline_round`` tasks
         super().__init__(*args, **kwargs)
 
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any):
@@ -105,36 +108,60 @@ class TaggedGradientAverager(GradientAverager):
         and 6 s of the other's round, two publish gaps of 8.7 and 8.3 s in a row (docs/reliability.md).
 
         Now such a part is answered at once (hivemind's ``BAD_GROUP_ID``: the round stops waiting on this
-        averager as a reducer) and this averager's own search is ended, so its step fails at once (the
-        trainer applies its own gradients and, its state now off the others', downloads theirs at its next
-        step). Counted in an unknown round means: looking for a group, no leader accepted it, it assembled
-        no group, the round is not one of its recent ones, and none registered within ``request_timeout``
-        (a leader's answer that is merely late)."""
+        averager as a reducer), its sender is told that this averager takes no part (``_decline_round``: the
+        round stops waiting on it as a sender too), and this averager's own search is ended, so its step fails
+        at once (the trainer applies its own gradients and, its state now off the others', downloads theirs).
+        Counted in an unknown round means: looking for a group, no leader accepted it, it assembled no group,
+        the round is not one of its recent ones, and none registered within ``request_timeout`` (a leader's
+        answer that is merely late). The other members' parts of such a round get the same answers."""
         request = await anext(stream)
-        if request.group_id not in self._running_groups and request.group_id not in self._finished_groups:
-            if self._counted_in_unknown_round():
+        group_id = request.group_id
+        if group_id not in self._running_groups and group_id not in self._finished_groups:
+            if group_id not in self._declined_groups and self._counted_in_unknown_round():
                 try:
                     await asyncio.wait_for(
                         self._pending_groups_registered.wait(), self._matchmaking.request_timeout
                     )
                 except asyncio.TimeoutError:
                     pass
-            if request.group_id not in self._running_groups and self._counted_in_unknown_round():
-                logger.warning(
-                    "gradient round: %s counted this trainer in a round it never learned of (its answer to "
-                    "our join request was lost): ending our search for a group now",
-                    context.remote_id,
-                )
-                self._end_search(
-                    MatchmakingException(f"{context.remote_id} counted us in a round we never learned of")
-                )
+                if group_id not in self._running_groups and self._counted_in_unknown_round():
+                    logger.warning(
+                        "gradient round: %s counted this trainer in a round it never learned of (its answer "
+                        "to our join request was lost): ending our search for a group now",
+                        context.remote_id,
+                    )
+                    self._declined_groups.append(group_id)
+                    self._end_search(
+                        MatchmakingException(f"{context.remote_id} counted us in a round we never learned of")
+                    )
+            if group_id in self._declined_groups:
+                task = asyncio.create_task(self._decline_round(context.remote_id, group_id))
+                self._declining.add(task)  # held until done (the loop keeps only weak references)
+                task.add_done_callback(self._declining.discard)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
                 return
-        elif request.group_id in self._finished_groups:
+        elif group_id in self._finished_groups:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # a late part of a past round
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    async def _decline_round(self, peer_id: Any, group_id: bytes) -> None:
+        """(averager process) Tell ``peer_id``'s run of round ``group_id`` that this averager sends no parts: a
+        first message that is not a part makes hivemind's ``AllReduceRunner`` ban the sender at once, so its
+        reducer stops waiting for our parts (else: ``next_chunk_timeout``). Best effort, bounded."""
+        message = averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED, group_id=group_id)
+        try:
+            stub = self.get_stub(self._p2p, peer_id, namespace=self.prefix)
+
+            async def exchange() -> None:
+                stream = await stub.rpc_aggregate_part(as_aiter(message))
+                async for _ in stream:
+                    break  # its runner answers with an error code: we are out of its round
+
+            await asyncio.wait_for(exchange(), 2 * self._matchmaking.request_timeout)
+        except Exception as e:  # the round may be over already, or the peer gone
+            logger.debug("could not decline round %s at %s: %r", group_id.hex(), peer_id, e)
 
     def _end_search(self, reason: Exception) -> None:
         """(averager process) Fail the step that is looking for a group, and end its search: the step first,
