@@ -49,14 +49,14 @@ class TaggedGradientAverager(GradientAverager):
     #: how many trainers the next round is for (the optimizer's count of live progress records); None: unknown
     group_size_fn: Any = None
     PARTIAL = {"partial": True}
-    #: rounds of this averager remembered as finished (their late parts are answered at once, not waited on)
-    FINISHED_KEPT = 16
+    #: rounds remembered as finished, and as declined (their parts are answered at once, not waited on)
+    ROUNDS_KEPT = 16
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._partial_groups: set = set()  # ids of rounds whose averages arrived in part (averager process)
-        self._finished_groups: collections.deque = collections.deque(maxlen=self.FINISHED_KEPT)
+        self._finished_groups: collections.deque = collections.deque(maxlen=self.ROUNDS_KEPT)
         # rounds that counted us but we never learned of (answered, their members told: ``rpc_aggregate_part``)
-        self._declined_groups: collections.deque = collections.deque(maxlen=self.FINISHED_KEPT)
+        self._declined_groups: collections.deque = collections.deque(maxlen=self.ROUNDS_KEPT)
         self._declining: set = set()  # their ``_decline_round`` tasks
         super().__init__(*args, **kwargs)
 
@@ -116,35 +116,39 @@ class TaggedGradientAverager(GradientAverager):
         answer that is merely late). The other members' parts of such a round get the same answers."""
         request = await anext(stream)
         group_id = request.group_id
-        if group_id not in self._running_groups and group_id not in self._finished_groups:
-            if group_id not in self._declined_groups and self._counted_in_unknown_round():
-                try:
-                    await asyncio.wait_for(
-                        self._pending_groups_registered.wait(), self._matchmaking.request_timeout
-                    )
-                except asyncio.TimeoutError:
-                    pass
-                if group_id not in self._running_groups and self._counted_in_unknown_round():
-                    logger.warning(
-                        "gradient round: %s counted this trainer in a round it never learned of (its answer "
-                        "to our join request was lost): ending our search for a group now",
-                        context.remote_id,
-                    )
-                    self._declined_groups.append(group_id)
-                    self._end_search(
-                        MatchmakingException(f"{context.remote_id} counted us in a round we never learned of")
-                    )
-            if group_id in self._declined_groups:
-                task = asyncio.create_task(self._decline_round(context.remote_id, group_id))
-                self._declining.add(task)  # held until done (the loop keeps only weak references)
-                task.add_done_callback(self._declining.discard)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-                return
-        elif group_id in self._finished_groups:
+        if group_id in self._finished_groups:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # a late part of a past round
+            return
+        if group_id not in self._running_groups and group_id not in self._declined_groups:
+            if await self._counted_in_unknown_round_after_grace(group_id):
+                logger.warning(
+                    "gradient round: %s counted this trainer in a round it never learned of (its answer to "
+                    "our join request was lost): ending our search for a group now",
+                    context.remote_id,
+                )
+                self._declined_groups.append(group_id)
+                self._end_search(
+                    MatchmakingException(f"{context.remote_id} counted us in a round we never learned of")
+                )
+        if group_id in self._declined_groups:
+            task = asyncio.create_task(self._decline_round(context.remote_id, group_id))
+            self._declining.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(self._declining.discard)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    async def _counted_in_unknown_round_after_grace(self, group_id: bytes) -> bool:
+        """(averager process) ``_counted_in_unknown_round``, still so after ``request_timeout`` s in which no
+        round registered (a leader's answer that is merely late registers ``group_id``)."""
+        if not self._counted_in_unknown_round():
+            return False
+        try:
+            await asyncio.wait_for(self._pending_groups_registered.wait(), self._matchmaking.request_timeout)
+        except asyncio.TimeoutError:
+            pass
+        return group_id not in self._running_groups and self._counted_in_unknown_round()
 
     async def _decline_round(self, peer_id: Any, group_id: bytes) -> None:
         """(averager process) Tell ``peer_id``'s run of round ``group_id`` that this averager sends no parts: a

@@ -9,44 +9,21 @@ from __future__ import annotations
 
 import time
 
-import hivemind
 import pytest
 import torch
 
 from echo_p2p.collab.averagers import TaggedGradientAverager, group_size
+from tests.unit.collab.pairs import averager_pair
 
 MATCHMAKING_S = 5.0  # long, so that a round assembled when full is told apart from one assembled at the end
 
 
 @pytest.fixture
 def averagers():
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(
-        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
-    )
-    out = []
-    try:
-        for seed, dht in enumerate((first, second)):
-            torch.manual_seed(seed)
-            model = torch.nn.Linear(4, 2)
-            for p in model.parameters():
-                p.grad = torch.full_like(p, float(seed + 1))  # 1 on the first, 2 on the second: average 1.5
-            out.append(
-                TaggedGradientAverager(
-                    model.parameters(),
-                    dht=dht,
-                    prefix="group-size-test",
-                    min_matchmaking_time=MATCHMAKING_S,
-                    request_timeout=1.0,
-                    start=True,
-                )
-            )
-        yield out
-    finally:
-        for averager in out:
-            averager.shutdown()
-        second.shutdown()
-        first.shutdown()
+    with averager_pair(
+        TaggedGradientAverager, "group-size-test", min_matchmaking_time=MATCHMAKING_S, request_timeout=1.0
+    ) as pair:
+        yield pair
 
 
 def _round(averagers, trainers: int) -> float:
