@@ -112,15 +112,15 @@ class TaggedGradientAverager(GradientAverager):
         round stops waiting on it as a sender too), and this averager's own search is ended, so its step fails
         at once (the trainer applies its own gradients and, its state now off the others', downloads theirs).
         Counted in an unknown round means: looking for a group, no leader accepted it, it assembled no group,
-        the round is not one of its recent ones, and none registered within ``request_timeout`` (a leader's
-        answer that is merely late). The other members' parts of such a round get the same answers."""
+        the sender is a leader it asked to join in this search, the round is not one of its recent ones, and
+        none registered within ``request_timeout`` (a leader's answer that is merely late). The other members' parts of such a round get the same answers."""
         request = await anext(stream)
         group_id = request.group_id
         if group_id in self._finished_groups:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # a late part of a past round
             return
         if group_id not in self._running_groups and group_id not in self._declined_groups:
-            if await self._counted_in_unknown_round_after_grace(group_id):
+            if await self._counted_in_unknown_round_after_grace(group_id, context.remote_id):
                 logger.warning(
                     "gradient round: %s counted this trainer in a round it never learned of (its answer to "
                     "our join request was lost): ending our search for a group now",
@@ -139,16 +139,16 @@ class TaggedGradientAverager(GradientAverager):
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
-    async def _counted_in_unknown_round_after_grace(self, group_id: bytes) -> bool:
+    async def _counted_in_unknown_round_after_grace(self, group_id: bytes, sender: Any) -> bool:
         """(averager process) ``_counted_in_unknown_round``, still so after ``request_timeout`` s in which no
         round registered (a leader's answer that is merely late registers ``group_id``)."""
-        if not self._counted_in_unknown_round():
+        if not self._counted_in_unknown_round(sender):
             return False
         try:
             await asyncio.wait_for(self._pending_groups_registered.wait(), self._matchmaking.request_timeout)
         except asyncio.TimeoutError:
             pass
-        return group_id not in self._running_groups and self._counted_in_unknown_round()
+        return group_id not in self._running_groups and self._counted_in_unknown_round(sender)
 
     async def _decline_round(self, peer_id: Any, group_id: bytes) -> None:
         """(averager process) Tell ``peer_id``'s run of round ``group_id`` that this averager sends no parts: a
@@ -178,9 +178,11 @@ class TaggedGradientAverager(GradientAverager):
         if not self._matchmaking.assembled_group.done():
             self._matchmaking.assembled_group.set_exception(reason)
 
-    def _counted_in_unknown_round(self) -> bool:
-        """(averager process) Looking for a group, with no leader that accepted us and no group we assembled:
-        no round we take part in can be under way."""
+    def _counted_in_unknown_round(self, sender: Any) -> bool:
+        """(averager process) Looking for a group, with no leader that accepted us and no group we assembled
+        (no round we take part in can be under way), and ``sender`` is a leader this search asked to join:
+        only such a peer can have counted us. (A stranger's part of a made-up round must not end our search:
+        else any peer could fail every round of a trainer for the price of one message each.)"""
         matchmaking = self._matchmaking
         step = matchmaking.step_control
         return (
@@ -188,6 +190,7 @@ class TaggedGradientAverager(GradientAverager):
             and step.stage == AveragingStage.LOOKING_FOR_GROUP
             and matchmaking.current_leader is None
             and not matchmaking.assembled_group.done()
+            and any(peer == sender for peer, _ in matchmaking.potential_leaders.past_attempts)
         )
 
 

@@ -89,3 +89,32 @@ def test_a_trainer_counted_in_a_round_it_never_learned_of_stops_looking_and_the_
     assert ended[leader] < NEXT_CHUNK_S - 1, (
         f"the leader's round waited {ended[leader]:.1f} s for the counted one"
     )
+
+
+def test_only_a_leader_this_search_asked_can_end_it_with_a_part_of_an_unknown_round() -> None:
+    """A stranger's part of a made-up round must not end a trainer's search (else one message per round fails
+    every round of it): only a leader asked in this search can have counted it, and only while no leader
+    accepted it and it assembled no group."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.control import AveragingStage
+
+    leader, stranger = object(), object()
+
+    def judged(sender, *, stage=AveragingStage.LOOKING_FOR_GROUP, accepted_by=None, assembled=False) -> bool:
+        matchmaking = SimpleNamespace(
+            step_control=SimpleNamespace(stage=stage),
+            current_leader=accepted_by,
+            assembled_group=SimpleNamespace(done=lambda: assembled),
+            potential_leaders=SimpleNamespace(past_attempts={(leader, 123.0)}),
+        )
+        # the predicate alone, on what it reads of the averager (no averager process)
+        return TaggedGradientAverager._counted_in_unknown_round(
+            SimpleNamespace(_matchmaking=matchmaking), sender
+        )
+
+    assert judged(leader)
+    assert not judged(stranger)  # never asked: its part is left to hivemind (waited on, then BAD_GROUP_ID)
+    assert not judged(leader, accepted_by=leader)  # a follower waiting for its leader's answer
+    assert not judged(leader, assembled=True)  # a leader whose own round is about to begin
+    assert not judged(leader, stage=AveragingStage.AWAITING_TRIGGER)  # in a round, waiting for its trigger
